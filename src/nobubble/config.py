@@ -1,0 +1,295 @@
+"""Training configuration: one flat dataclass, TOML files, ``key=value`` overrides, validation.
+
+Precedence (lowest to highest): field defaults, ``--config FILE.toml``, command-line flags,
+``key=value`` overrides. Every error names the offending key or value and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
+SYNC_SCHEDULES = ("sync", "gpipe", "1f1b")
+LR_SCHEDULES = ("cosine", "wsd", "constant")
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message says how."""
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    # --- model ---
+    preset: str = _opt("tiny", "model preset (see `nobubble.model.PRESETS`)")
+    n_layers: int | None = _opt(None, "override the preset's number of blocks")
+    d_model: int | None = _opt(None, "override the preset's hidden size")
+    n_heads: int | None = _opt(None, "override the preset's attention heads")
+    n_kv_heads: int | None = _opt(None, "override the preset's key/value heads (GQA)")
+    d_ff: int | None = _opt(None, "override the preset's MLP hidden size")
+    max_seq_len: int | None = _opt(None, "override the preset's maximum sequence length")
+    tie_embeddings: bool | None = _opt(None, "override whether the head shares the embedding")
+    rope_theta: float | None = _opt(None, "override the preset's RoPE base")
+
+    # --- data ---
+    data: str = _opt("builtin", "builtin | FILE/GLOB (.txt .jsonl .parquet .bin) | hf:NAME[:CONFIG]")
+    data_field: str = _opt("text", "text field of .jsonl/.parquet/HF records")
+    val_fraction: float = _opt(0.05, "share of documents held out for validation")
+    tokenizer: str = _opt("byte", "byte | bpe | PATH/tokenizer.json | hf:NAME")
+    bpe_vocab_size: int = _opt(4096, "vocabulary size of a locally trained BPE tokenizer")
+    bin_dtype: str = _opt("uint16", "token dtype of .bin shards: uint16 | uint32")
+    seq_len: int = _opt(256, "tokens per training sequence")
+    batch_size: int = _opt(16, "sequences per optimizer step (split into microbatches)")
+
+    # --- optimizer ---
+    optim: str = _opt("adamw", "optimizer (see `nobubble.optim.OPTIMIZERS`)")
+    lr: float = _opt(3e-3, "peak learning rate")
+    weight_decay: float = _opt(0.1, "decoupled weight decay (matrices only; never norms)")
+    beta1: float = _opt(0.9, "first-moment decay (Adam-family, Lion, SOAP, MARS)")
+    beta2: float = _opt(0.95, "second-moment decay")
+    beta3: float = _opt(0.99, "third beta (Adan only)")
+    eps: float = _opt(1e-8, "denominator epsilon")
+    momentum: float = _opt(0.95, "momentum (muon, signum, sgd)")
+    nesterov: bool = _opt(True, "Nesterov momentum (muon, sgd)")
+    muon_adjust_lr: str = _opt("match_rms_adamw", "muon LR scaling: match_rms_adamw | original")
+    lr_schedule: str = _opt("cosine", "cosine | wsd | constant (all after a linear warmup)")
+    warmup_steps: int = _opt(20, "linear warmup steps")
+    decay_frac: float = _opt(0.2, "WSD: share of steps spent decaying at the end")
+    min_lr_ratio: float = _opt(0.1, "final LR as a share of the peak (cosine, wsd)")
+    grad_clip: float = _opt(1.0, "max gradient norm per pipeline stage; 0 disables clipping")
+    ef: bool = _opt(False, "error-feedback delay correction")
+    ef_gamma: float = _opt(1.0, "error-feedback strength G")
+
+    # --- schedule ---
+    schedule: str = _opt("sync", "sync | gpipe | 1f1b | 2bw | pipedream")
+    stages: int = _opt(1, "pipeline stages P")
+    microbatches: int = _opt(1, "microbatches M per optimizer step")
+    stage_layers: list[int] | None = _opt(None, "explicit blocks per stage, e.g. [3, 3]")
+    embed_cost: float = _opt(1.0, "partition weight of the embedding, in blocks")
+    head_cost: float = _opt(1.0, "partition weight of the final norm + head, in blocks")
+
+    # --- run ---
+    steps: int = _opt(300, "optimizer steps")
+    seed: int = _opt(0, "seed for initialization and data order")
+    eval_every: int = _opt(50, "evaluate every N steps (and at the end); 0 = only at the end")
+    eval_batches: int = _opt(8, "validation batches per evaluation")
+    log_every: int = _opt(1, "write a metrics line every N steps")
+    out: str | None = _opt(None, "run folder (default runs/<name>)")
+    name: str | None = _opt(None, "run name (default: derived from the settings)")
+    device: str = _opt("auto", "auto | cpu | cuda")
+    dtype: str = _opt("float32", "float32 | bfloat16 (autocast for matmuls)")
+    threads: int = _opt(0, "torch CPU threads; 0 keeps torch's default")
+    progress: bool = _opt(True, "show a progress bar")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def run_name(self) -> str:
+        if self.name:
+            return self.name
+        ef = "-ef" if self.ef else ""
+        return f"{self.preset}-{self.optim}-{self.schedule}{ef}-p{self.stages}-s{self.seed}"
+
+    def is_sync(self) -> bool:
+        return self.schedule in SYNC_SCHEDULES
+
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _suggest(name: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_key_error(key: str) -> ConfigError:
+    return ConfigError(
+        f"unknown config key {key!r}{_suggest(key, FIELDS)}; valid keys: {', '.join(FIELDS)}"
+    )
+
+
+def _base_type(hint: Any) -> tuple[Any, bool]:
+    """Return (type without None, whether None is allowed)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Convert ``value`` (from TOML or a ``key=value`` string) to the type of field ``key``."""
+    if key not in FIELDS:
+        raise unknown_key_error(key)
+    hint, nullable = _base_type(_HINTS[key])
+    if isinstance(value, str):
+        text = value.strip()
+        if nullable and text.lower() in ("none", "null", ""):
+            return None
+        if hint is str:
+            return value
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+    if value is None:
+        if nullable:
+            return None
+        raise ConfigError(f"{key} cannot be empty; give a {hint.__name__}")
+    return _check_type(key, hint, value)
+
+
+def _check_type(key: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list like [3, 3], got {value!r}")
+        return [_check_type(key, item, v) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be a whole number, got {value!r}")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - programming error
+
+
+def parse_overrides(items: typing.Iterable[str]) -> dict[str, Any]:
+    """Parse ``key=value`` strings (values in TOML syntax, bare strings allowed)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"expected key=value, got {item!r} (e.g. lr=1e-3 or optim=muon)")
+        key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        out[key] = coerce(key, value)
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config; sections (``[optim]``) are allowed and flattened."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict) and key not in FIELDS:
+            for sub, subvalue in value.items():
+                flat[sub] = subvalue
+        else:
+            flat[key] = value
+    return {key.replace("-", "_"): coerce(key.replace("-", "_"), v) for key, v in flat.items()}
+
+
+def build_config(*layers: dict[str, Any]) -> TrainConfig:
+    """Merge override layers over the defaults and validate the result."""
+    values: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            values[key] = coerce(key, value)
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def _choice(key: str, value: str, options: typing.Iterable[str]) -> None:
+    options = list(options)
+    if value not in options:
+        raise ConfigError(
+            f"unknown {key} {value!r}{_suggest(value, options)}; choose one of: {', '.join(options)}"
+        )
+
+
+def _positive(cfg: TrainConfig, *keys: str) -> None:
+    for key in keys:
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check everything that can be checked without building the model or reading data."""
+    from nobubble.model import PRESETS
+    from nobubble.optim import OPTIMIZERS
+
+    _choice("preset", cfg.preset, PRESETS)
+    _choice("optim", cfg.optim, OPTIMIZERS)
+    _choice("schedule", cfg.schedule, SCHEDULES)
+    _choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
+    _choice("dtype", cfg.dtype, DTYPES)
+    _choice("device", cfg.device, DEVICES)
+    _choice("bin_dtype", cfg.bin_dtype, ("uint16", "uint32"))
+    _choice("muon_adjust_lr", cfg.muon_adjust_lr, ("match_rms_adamw", "original"))
+    _positive(cfg, "seq_len", "batch_size", "stages", "microbatches", "steps", "lr")
+    _positive(cfg, "eval_batches", "log_every", "bpe_vocab_size")
+    for key in ("warmup_steps", "eval_every", "weight_decay", "grad_clip", "threads"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if not 0 < cfg.val_fraction < 1:
+        raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction}")
+    for key in ("beta1", "beta2", "beta3", "momentum", "decay_frac", "min_lr_ratio"):
+        if not 0 <= getattr(cfg, key) <= 1:
+            raise ConfigError(f"{key} must be in [0, 1], got {getattr(cfg, key)}")
+    if cfg.ef_gamma < 0:
+        raise ConfigError(f"ef_gamma must be >= 0, got {cfg.ef_gamma}")
+    if cfg.batch_size % cfg.microbatches:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
+            "pick a batch size that is a multiple of the microbatch count"
+        )
+    if cfg.schedule == "2bw" and cfg.stages > 1 and cfg.microbatches < cfg.stages:
+        raise ConfigError(
+            f"2bw needs microbatches >= stages (got M={cfg.microbatches}, P={cfg.stages}): with "
+            "fewer microbatches a minibatch's first forward would need a weight version that no "
+            f"stage has produced yet; use --microbatches {cfg.stages} or more"
+        )
+    if cfg.schedule == "pipedream" and cfg.microbatches != 1:
+        raise ConfigError(
+            "pipedream steps the optimizer after every microbatch, so each step is one "
+            f"microbatch; set microbatches=1 (got {cfg.microbatches}) and choose batch_size as "
+            "the microbatch size"
+        )
+    if cfg.stage_layers is not None and len(cfg.stage_layers) != cfg.stages:
+        raise ConfigError(
+            f"stage_layers lists {len(cfg.stage_layers)} stages but stages={cfg.stages}; "
+            "give one block count per stage"
+        )

@@ -1,0 +1,300 @@
+"""LLaMA-style decoder built from pipeline stages.
+
+The whole model is a single :class:`Stage` that owns the embedding, every block and the head; a
+pipeline stage owns a contiguous slice of ``[embedding, block 0..L-1, norm+head]``. Parameter names
+are the same in both cases (``embed.weight``, ``blocks.7.attn.wq.weight``, ``head.weight``), and
+initialization depends only on the seed and the parameter name, so a stage built alone holds
+exactly the tensors of its slice of the full model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nobubble.config import ConfigError, TrainConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    max_seq_len: int
+    vocab_size: int | None = None  # None: taken from the tokenizer (rounded up to 64)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=688, max_seq_len=512),
+    "small": ModelConfig(
+        d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1376, max_seq_len=1024
+    ),
+    # Published shapes of HuggingFaceTB/SmolLM2-135M and -360M.
+    "smollm2-135m": ModelConfig(
+        d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=2048,
+        vocab_size=49152, tie_embeddings=True, rope_theta=1e5,
+    ),
+    "smollm2-360m": ModelConfig(
+        d_model=960, n_layers=32, n_heads=15, n_kv_heads=5, d_ff=2560, max_seq_len=2048,
+        vocab_size=49152, tie_embeddings=True, rope_theta=1e5,
+    ),
+}  # fmt: skip
+
+_OVERRIDES = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
+_OVERRIDES += ("tie_embeddings", "rope_theta")
+
+
+def model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
+    """Resolve the preset, the config's overrides and the tokenizer's vocabulary; validate."""
+    if cfg.preset not in PRESETS:
+        raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}")
+    mc = PRESETS[cfg.preset]
+    changes = {k: getattr(cfg, k) for k in _OVERRIDES if getattr(cfg, k) is not None}
+    mc = dataclasses.replace(mc, **changes)
+    vocab = mc.vocab_size or 64 * math.ceil(tokenizer_vocab / 64)
+    if vocab < tokenizer_vocab:
+        raise ConfigError(
+            f"preset {cfg.preset!r} has a vocabulary of {vocab} but the tokenizer "
+            f"{cfg.tokenizer!r} has {tokenizer_vocab} tokens; use a matching tokenizer"
+        )
+    mc = dataclasses.replace(mc, vocab_size=vocab)
+    if mc.d_model % mc.n_heads or mc.n_heads % mc.n_kv_heads:
+        raise ConfigError(
+            f"d_model ({mc.d_model}) must be divisible by n_heads ({mc.n_heads}) and n_heads by "
+            f"n_kv_heads ({mc.n_kv_heads})"
+        )
+    if mc.head_dim % 2:
+        raise ConfigError(f"head dimension {mc.head_dim} must be even for RoPE")
+    if cfg.seq_len > mc.max_seq_len:
+        raise ConfigError(
+            f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mc.max_seq_len}; "
+            f"lower seq_len or set max_seq_len={cfg.seq_len}"
+        )
+    return mc
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the head dimension; x is (B, H, T, D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, mc: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = mc.n_heads, mc.n_kv_heads, mc.head_dim
+        self.wq = nn.Linear(mc.d_model, mc.n_heads * mc.head_dim, bias=False)
+        self.wk = nn.Linear(mc.d_model, mc.n_kv_heads * mc.head_dim, bias=False)
+        self.wv = nn.Linear(mc.d_model, mc.n_kv_heads * mc.head_dim, bias=False)
+        self.wo = nn.Linear(mc.n_heads * mc.head_dim, mc.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.n_kv_heads != self.n_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, mc: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(mc.d_model, mc.d_ff, bias=False)
+        self.w_up = nn.Linear(mc.d_model, mc.d_ff, bias=False)
+        self.w_down = nn.Linear(mc.d_ff, mc.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, mc: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(mc.d_model, mc.norm_eps)
+        self.attn = Attention(mc)
+        self.mlp_norm = RMSNorm(mc.d_model, mc.norm_eps)
+        self.mlp = SwiGLU(mc)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What one pipeline stage owns: the embedding?, a range of blocks, the norm+head?"""
+
+    index: int
+    blocks: range
+    has_embed: bool
+    has_head: bool
+
+
+class Stage(nn.Module):
+    """A contiguous slice of the decoder; the full model is the stage that owns everything.
+
+    Input: token ids (B, T) if the stage has the embedding, else hidden states (B, T, D).
+    Output: logits (B, T, V) if the stage has the head, else hidden states.
+    """
+
+    def __init__(self, mc: ModelConfig, spec: StageSpec, seed: int = 0) -> None:
+        super().__init__()
+        assert mc.vocab_size is not None, "resolve the vocabulary with model_config() first"
+        self.mc, self.spec = mc, spec
+        self.embed = nn.Embedding(mc.vocab_size, mc.d_model) if spec.has_embed else None
+        self.blocks = nn.ModuleDict({str(i): Block(mc) for i in spec.blocks})
+        self.norm = RMSNorm(mc.d_model, mc.norm_eps) if spec.has_head else None
+        self.head = nn.Linear(mc.d_model, mc.vocab_size, bias=False) if spec.has_head else None
+        if mc.tie_embeddings and self.head is not None:
+            if self.embed is None:
+                raise ConfigError(
+                    "tied embeddings need the embedding and the head on the same stage; set "
+                    "tie_embeddings=false to pipeline this model over several stages"
+                )
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(mc.head_dim, mc.max_seq_len, mc.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        init_parameters(self, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        t = x.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        for block in self.blocks.values():
+            x = block(x, cos, sin)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def init_parameters(module: nn.Module, seed: int) -> None:
+    """Initialize every parameter from (seed, its name) alone: partition-independent."""
+    n_layers = module.mc.n_layers
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w_down.weight")):
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.02 / math.sqrt(2 * n_layers)))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def full_spec(mc: ModelConfig) -> StageSpec:
+    return StageSpec(index=0, blocks=range(mc.n_layers), has_embed=True, has_head=True)
+
+
+def build_model(mc: ModelConfig, seed: int = 0) -> Stage:
+    return Stage(mc, full_spec(mc), seed)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all positions, computed in float32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def partition(
+    n_layers: int,
+    stages: int,
+    embed_cost: float = 1.0,
+    head_cost: float = 1.0,
+    stage_layers: list[int] | None = None,
+) -> list[StageSpec]:
+    """Split the blocks into ``stages`` contiguous runs.
+
+    With ``stage_layers`` the runs have exactly those lengths. Otherwise the split minimizes the
+    most expensive stage, where a block costs 1, the embedding ``embed_cost`` (stage 0) and the
+    norm+head ``head_cost`` (last stage). Only the first and last stage may hold no block.
+    """
+    if stages < 1:
+        raise ConfigError(f"stages must be >= 1, got {stages}")
+    if stage_layers is not None:
+        if len(stage_layers) != stages or sum(stage_layers) != n_layers:
+            raise ConfigError(
+                f"stage_layers {stage_layers} must list {stages} block counts summing to the "
+                f"model's {n_layers} blocks"
+            )
+        if any(n < 0 for n in stage_layers):
+            raise ConfigError(f"stage_layers {stage_layers} has a negative block count")
+        counts = list(stage_layers)
+    else:
+        counts = _balanced_counts(n_layers, stages, embed_cost, head_cost)
+    for i, n in enumerate(counts):
+        if n == 0 and 0 < i < stages - 1:
+            raise ConfigError(
+                f"stage {i} of {stages} would hold no block; use fewer stages (the model has "
+                f"{n_layers} blocks) or give stage_layers explicitly"
+            )
+    specs, start = [], 0
+    for i, n in enumerate(counts):
+        specs.append(StageSpec(i, range(start, start + n), i == 0, i == stages - 1))
+        start += n
+    return specs
+
+
+def _balanced_counts(n_layers: int, stages: int, embed: float, head: float) -> list[int]:
+    if stages > n_layers + 2 or (stages > 2 and n_layers < stages - 2):
+        raise ConfigError(
+            f"cannot split {n_layers} blocks over {stages} stages; use at most {n_layers} stages"
+        )
+
+    def cost(stage: int, n: int) -> float:
+        return n + (embed if stage == 0 else 0.0) + (head if stage == stages - 1 else 0.0)
+
+    # best[s][k]: minimal max cost placing the first k blocks on stages 0..s
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(stages)]
+    choice = [[0] * (n_layers + 1) for _ in range(stages)]
+    for k in range(n_layers + 1):
+        best[0][k] = cost(0, k)
+    for s in range(1, stages):
+        middle = s < stages - 1
+        for k in range(n_layers + 1):
+            for n in range(1 if middle else 0, k + 1):
+                value = max(best[s - 1][k - n], cost(s, n))
+                if value < best[s][k] - 1e-12:
+                    best[s][k], choice[s][k] = value, n
+    counts, k = [], n_layers
+    for s in range(stages - 1, 0, -1):
+        counts.append(choice[s][k])
+        k -= choice[s][k]
+    counts.append(k)
+    return counts[::-1]
