@@ -45,7 +45,9 @@ class TrainConfig:
     rope_theta: float | None = _opt(None, "override the preset's RoPE base")
 
     # --- data ---
-    data: str = _opt("builtin", "builtin | FILE/GLOB (.txt .jsonl .parquet .bin) | hf:NAME[:CONFIG]")
+    data: str = _opt(
+        "builtin", "builtin | FILE/GLOB (.txt .jsonl .parquet .bin) | hf:NAME[:CONFIG]"
+    )
     data_field: str = _opt("text", "text field of .jsonl/.parquet/HF records")
     val_fraction: float = _opt(0.05, "share of documents held out for validation")
     tokenizer: str = _opt("byte", "byte | bpe | PATH/tokenizer.json | hf:NAME")
@@ -70,6 +72,9 @@ class TrainConfig:
     decay_frac: float = _opt(0.2, "WSD: share of steps spent decaying at the end")
     min_lr_ratio: float = _opt(0.1, "final LR as a share of the peak (cosine, wsd)")
     grad_clip: float = _opt(1.0, "max gradient norm per pipeline stage; 0 disables clipping")
+    nonfinite_patience: int = _opt(
+        3, "abort after this many steps in a row whose update was skipped for a non-finite gradient"
+    )
     ef: bool = _opt(False, "error-feedback delay correction")
     ef_gamma: float = _opt(1.0, "error-feedback strength G")
 
@@ -78,6 +83,7 @@ class TrainConfig:
     stages: int = _opt(1, "pipeline stages P")
     microbatches: int = _opt(1, "microbatches M per optimizer step")
     stage_layers: list[int] | None = _opt(None, "explicit blocks per stage, e.g. [3, 3]")
+    p2p_timeout_s: float = _opt(300.0, "pipeline: fail if a stage waits longer for a peer")
     embed_cost: float = _opt(1.0, "partition weight of the embedding, in blocks")
     head_cost: float = _opt(1.0, "partition weight of the final norm + head, in blocks")
 
@@ -87,7 +93,9 @@ class TrainConfig:
     eval_every: int = _opt(50, "evaluate every N steps (and at the end); 0 = only at the end")
     eval_batches: int = _opt(8, "validation batches per evaluation")
     log_every: int = _opt(1, "write a metrics line every N steps")
-    out: str | None = _opt(None, "run folder (default runs/<name>)")
+    checkpoint_every: int = _opt(0, "save a checkpoint every N steps (and always at the end)")
+    keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep")
+    out: str | None = _opt(None, "run folder (default runs/<name>-<time>)")
     name: str | None = _opt(None, "run name (default: derived from the settings)")
     device: str = _opt("auto", "auto | cpu | cuda")
     dtype: str = _opt("float32", "float32 | bfloat16 (autocast for matmuls)")
@@ -213,7 +221,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     flat: dict[str, Any] = {}
     for key, value in raw.items():
-        if isinstance(value, dict) and key not in FIELDS:
+        if isinstance(value, dict):  # a [section]: no field is a table
             for sub, subvalue in value.items():
                 flat[sub] = subvalue
         else:
@@ -235,9 +243,8 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
 def _choice(key: str, value: str, options: typing.Iterable[str]) -> None:
     options = list(options)
     if value not in options:
-        raise ConfigError(
-            f"unknown {key} {value!r}{_suggest(value, options)}; choose one of: {', '.join(options)}"
-        )
+        hint = _suggest(value, options)
+        raise ConfigError(f"unknown {key} {value!r}{hint}; choose one of: {', '.join(options)}")
 
 
 def _positive(cfg: TrainConfig, *keys: str) -> None:
@@ -260,10 +267,13 @@ def validate(cfg: TrainConfig) -> None:
     _choice("bin_dtype", cfg.bin_dtype, ("uint16", "uint32"))
     _choice("muon_adjust_lr", cfg.muon_adjust_lr, ("match_rms_adamw", "original"))
     _positive(cfg, "seq_len", "batch_size", "stages", "microbatches", "steps", "lr")
-    _positive(cfg, "eval_batches", "log_every", "bpe_vocab_size")
-    for key in ("warmup_steps", "eval_every", "weight_decay", "grad_clip", "threads"):
+    _positive(cfg, "eval_batches", "log_every", "bpe_vocab_size", "nonfinite_patience")
+    _positive(cfg, "keep_checkpoints", "p2p_timeout_s")
+    for key in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "grad_clip"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.threads < 0:
+        raise ConfigError(f"threads must be >= 0, got {cfg.threads}")
     if not 0 < cfg.val_fraction < 1:
         raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction}")
     for key in ("beta1", "beta2", "beta3", "momentum", "decay_frac", "min_lr_ratio"):

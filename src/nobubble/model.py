@@ -40,7 +40,9 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=688, max_seq_len=512),
+    "tiny": ModelConfig(
+        d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=688, max_seq_len=512
+    ),
     "small": ModelConfig(
         d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1376, max_seq_len=1024
     ),

@@ -1,0 +1,78 @@
+"""What the training loop needs from a backend, and the update rules both backends share.
+
+Update policy (identical in the simulator and in every pipeline stage, see docs/training.md):
+each stage clips the gradient of its own parameters to ``grad_clip`` (no cross-stage reduction,
+so no stage ever waits for another: a global all-reduce would re-create the bubble under 2bw), and
+a stage whose gradient norm is not finite skips its update for that step (weights and optimizer
+state unchanged). The training loop aborts after ``nonfinite_patience`` such steps in a row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from nobubble.evaluation import EvalSums
+from nobubble.optim import clip_grad_norm
+
+
+@dataclass
+class StepStats:
+    step: int  # 0-based index of the update: w[step] -> w[step + 1]
+    loss: float  # mean loss of the step's microbatches (at the weights they were run with)
+    grad_norm: float  # sqrt of the sum of the stages' squared norms, before clipping
+    lr: float
+    skipped_stages: list[int] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    """A backend that trains: the single-process simulator or one rank of the pipeline."""
+
+    step: int
+    rank: int  # this process's stage (0 in the simulator)
+    world: int  # processes, = checkpoint shards
+    device: torch.device
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op in one process)."""
+
+    def run_steps(
+        self,
+        stop: int,
+        next_batch: Callable[[], torch.Tensor],
+        on_step: Callable[[StepStats], None],
+    ) -> None:
+        """Train from ``self.step`` up to ``stop``; ``on_step`` sees every step's stats (rank 0)."""
+
+    def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor) -> EvalSums:
+        """Validation totals at the newest weights (meaningful on rank 0)."""
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every weight version this rank holds, by name (saved as safetensors)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything else needed to continue exactly (optimizer, EF buffer, step)."""
+
+    def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None: ...
+
+
+def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, bool]:
+    """Clip one stage's gradients; drop them if non-finite so the optimizer skips the stage.
+
+    Returns (norm before clipping, whether the update goes ahead).
+    """
+    params = [p for p in params if p.grad is not None]
+    norm = clip_grad_norm(params, max_norm)
+    if math.isfinite(norm):
+        return norm, True
+    for p in params:
+        p.grad = None
+    return norm, False
+
+
+def combined_norm(norms: Iterable[float]) -> float:
+    return math.sqrt(sum(n * n for n in norms))

@@ -1,0 +1,202 @@
+"""The single-process engine: the exact semantics of every schedule, without communication.
+
+Stage s with delay d holds its weight versions in a :class:`VersionStore`. At step t the forward
+and backward of every microbatch run with stage s at version max(t - d, 0) (through
+``torch.func.functional_call``, so nothing is swapped in place under autograd), the gradient is
+moved onto the optimizer's parameters, and the optimizer steps the newest version. With every
+delay 0 this is exactly a plain gradient-accumulation training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.delay import gradient_version, stage_delays
+from nobubble.engine import StepStats, clip_stage, combined_norm
+from nobubble.evaluation import EvalSums
+from nobubble.model import ModelConfig, StageSpec, build_model, lm_loss, partition
+from nobubble.optim import build_optimizer, lr_at, set_lr
+from nobubble.versions import VersionStore, Weights
+
+
+def stage_parameter_names(names: Sequence[str], specs: Sequence[StageSpec]) -> list[list[str]]:
+    """Assign every parameter name of the full model to the stage that owns it."""
+    owner: dict[str, int] = {}
+    for spec in specs:
+        if spec.has_embed:
+            owner["embed"] = spec.index
+        if spec.has_head:
+            owner["norm"] = owner["head"] = spec.index
+        for block in spec.blocks:
+            owner[f"blocks.{block}"] = spec.index
+    grouped: list[list[str]] = [[] for _ in specs]
+    for name in names:
+        prefix = name.split(".")[0]
+        key = f"blocks.{name.split('.')[1]}" if prefix == "blocks" else prefix
+        grouped[owner[key]].append(name)
+    return grouped
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    if dtype == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+MicroLoss = Callable[[Weights, torch.Tensor], torch.Tensor]
+
+
+class DelayedTrainer:
+    """Delayed-gradient training of any parameters split into stages with given delays.
+
+    ``micro_loss(weights, microbatch)`` returns the mean loss of one microbatch computed with
+    ``weights``; the step's gradient is the mean over its microbatches.
+    """
+
+    def __init__(
+        self,
+        stage_params: Sequence[dict[str, torch.nn.Parameter]],
+        delays: Sequence[int],
+        optimizer: Any,
+        micro_loss: MicroLoss,
+        cfg: TrainConfig,
+    ) -> None:
+        self.stores = [VersionStore(params) for params in stage_params]
+        self.delays, self.optimizer, self.micro_loss, self.cfg = (
+            list(delays),
+            optimizer,
+            micro_loss,
+            cfg,
+        )
+        self.step = 0
+
+    def train_step(self, microbatches: Sequence[torch.Tensor]) -> StepStats:
+        cfg, t = self.cfg, self.step
+        used = [gradient_version(t, d) for d in self.delays]
+        weights: Weights = {}
+        for store, version in zip(self.stores, used, strict=True):
+            weights.update(store[version])
+        total = 0.0
+        for micro in microbatches:
+            loss = self.micro_loss(weights, micro)
+            (loss / len(microbatches)).backward()
+            total += loss.item()
+
+        norms, skipped = [], []
+        for stage, store in enumerate(self.stores):
+            store.take_gradients(used[stage])
+            norm, ok = clip_stage(store.params.values(), cfg.grad_clip)
+            norms.append(norm)
+            if not ok:
+                skipped.append(stage)
+            store.release_older_than(gradient_version(t + 1, self.delays[stage]))
+            store.begin_step(still_needed=self.delays[stage] > 0)
+        lr = lr_at(t, cfg)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return StepStats(t, total / len(microbatches), combined_norm(norms), lr, skipped)
+
+    def checkpoint_tensors(self) -> Weights:
+        """Every version held, as ``v{version}/{name}``."""
+        return {
+            f"v{version}/{name}": tensor
+            for store in self.stores
+            for version, weights in store.snapshot().items()
+            for name, tensor in weights.items()
+        }
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict()}
+
+    def restore(self, tensors: Weights, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        for store in self.stores:
+            store.load(versions_from_tensors(tensors, store.params))
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class SimulatedEngine:
+    """Trains the whole model in one process under the delays of ``cfg.schedule``."""
+
+    rank, world = 0, 1  # one process, one checkpoint shard
+
+    def __init__(self, cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> None:
+        delays = stage_delays(cfg.schedule, cfg.stages)
+        if mc.tie_embeddings and len(set(delays)) > 1:
+            raise ConfigError(
+                f"{cfg.schedule} gives the embedding (stage 0) and the head (stage "
+                f"{cfg.stages - 1}) different delays, which a tied weight cannot have; set "
+                "tie_embeddings=false"
+            )
+        self.cfg, self.device = cfg, device
+        self.model = build_model(mc, cfg.seed).to(device)
+        params = dict(self.model.named_parameters())
+        specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+        stage_params = [
+            {n: params[n] for n in names} for names in stage_parameter_names(list(params), specs)
+        ]
+        optimizer = build_optimizer(list(params.items()), cfg)
+        self.trainer = DelayedTrainer(stage_params, delays, optimizer, self.micro_loss, cfg)
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def barrier(self) -> None:
+        """Nothing to wait for in one process."""
+
+    def micro_loss(self, weights: Weights, micro: torch.Tensor) -> torch.Tensor:
+        with autocast(self.device, self.cfg.dtype):
+            logits = functional_call(self.model, weights, (micro[:, :-1],))
+        return lm_loss(logits, micro[:, 1:])
+
+    def run_steps(
+        self,
+        stop: int,
+        next_batch: Callable[[], torch.Tensor],
+        on_step: Callable[[StepStats], None],
+    ) -> None:
+        while self.step < stop:
+            batch = next_batch().to(self.device)
+            on_step(self.trainer.train_step(batch.chunk(self.cfg.microbatches)))
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor) -> EvalSums:
+        sums = EvalSums()
+        for batch in batches:
+            for micro in batch.to(self.device).chunk(self.cfg.microbatches):
+                with autocast(self.device, self.cfg.dtype):
+                    logits = self.model(micro[:, :-1])
+                sums.add(logits, micro[:, 1:], token_bytes)
+        return sums
+
+    def named_weights(self) -> Weights:
+        """The newest weights (what a plain training loop would hold after ``step`` updates)."""
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def checkpoint_tensors(self) -> Weights:
+        return self.trainer.checkpoint_tensors()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.trainer.checkpoint_state()
+
+    def restore(self, tensors: Weights, state: dict[str, Any]) -> None:
+        self.trainer.restore(tensors, state)
+
+
+def versions_from_tensors(tensors: Weights, params: dict[str, torch.Tensor]) -> dict[int, Weights]:
+    """Invert ``checkpoint_tensors`` for the parameters ``params``."""
+    found: dict[int, Weights] = {}
+    for key, tensor in tensors.items():
+        version, name = key.split("/", 1)
+        if name in params:
+            found.setdefault(int(version[1:]), {})[name] = tensor
+    return found

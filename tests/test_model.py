@@ -1,0 +1,142 @@
+import dataclasses
+
+import pytest
+import torch
+
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.model import (
+    PRESETS,
+    Stage,
+    StageSpec,
+    apply_rope,
+    build_model,
+    lm_loss,
+    model_config,
+    partition,
+    rope_tables,
+)
+
+
+def n_params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_smollm2_135m_has_the_published_parameter_count():
+    mc = model_config(TrainConfig(preset="smollm2-135m", tokenizer="byte"), tokenizer_vocab=257)
+    with torch.device("meta"):
+        model = Stage(mc, StageSpec(0, range(mc.n_layers), True, True))
+    # 49152*576 tied embedding + 30 * (attention 884,736 + MLP 2,654,208 + 2 norms) + final norm
+    assert n_params(model) == 134_515_008
+
+
+def test_smollm2_360m_shape():
+    mc = PRESETS["smollm2-360m"]
+    assert (mc.d_model, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.d_ff) == (960, 32, 15, 5, 2560)
+    assert mc.vocab_size == 49152 and mc.tie_embeddings and mc.rope_theta == 1e5
+
+
+def test_vocabulary_comes_from_the_tokenizer_rounded_up():
+    mc = model_config(TrainConfig(), tokenizer_vocab=257)
+    assert mc.vocab_size == 320
+
+
+def test_tokenizer_larger_than_preset_vocabulary_is_refused():
+    with pytest.raises(ConfigError, match="vocabulary"):
+        model_config(TrainConfig(preset="smollm2-135m"), tokenizer_vocab=50000)
+
+
+def test_sequence_longer_than_the_model_is_refused():
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        model_config(TrainConfig(seq_len=4096), tokenizer_vocab=257)
+
+
+def test_bad_head_counts_are_refused():
+    with pytest.raises(ConfigError, match="divisible"):
+        model_config(TrainConfig(n_heads=3), tokenizer_vocab=257)
+
+
+def test_stages_run_in_sequence_equal_the_full_model(tiny_mc):
+    full = build_model(tiny_mc, seed=3)
+    specs = partition(tiny_mc.n_layers, 3)
+    stages = [Stage(tiny_mc, spec, seed=3) for spec in specs]
+    full_params = dict(full.named_parameters())
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, full_params[name]), name
+    x = torch.randint(0, tiny_mc.vocab_size, (2, 16))
+    h = x
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(h, full(x), rtol=0, atol=0)
+
+
+def test_parameter_names_are_stable_across_partitions(tiny_mc):
+    names = set(dict(build_model(tiny_mc).named_parameters()))
+    staged = set()
+    for spec in partition(tiny_mc.n_layers, 2, stage_layers=[1, 3]):
+        staged |= set(dict(Stage(tiny_mc, spec).named_parameters()))
+    assert staged == names
+    assert "blocks.3.attn.wq.weight" in names and "head.weight" in names
+
+
+def test_model_is_causal(tiny_mc):
+    model = build_model(tiny_mc)
+    x = torch.randint(0, tiny_mc.vocab_size, (1, 12))
+    y = x.clone()
+    y[0, 8:] = (y[0, 8:] + 1) % tiny_mc.vocab_size
+    torch.testing.assert_close(model(x)[0, :8], model(y)[0, :8])
+
+
+def test_tied_embeddings_share_one_tensor(tiny_mc):
+    model = build_model(dataclasses.replace(tiny_mc, tie_embeddings=True))
+    assert model.head.weight is model.embed.weight
+    assert "head.weight" not in dict(model.named_parameters())
+
+
+def test_tied_embeddings_cannot_be_split_over_stages(tiny_mc):
+    mc = dataclasses.replace(tiny_mc, tie_embeddings=True)
+    with pytest.raises(ConfigError, match="tie_embeddings=false"):
+        Stage(mc, StageSpec(1, range(2, 4), False, True))
+
+
+def test_rope_preserves_norm_and_relative_positions():
+    cos, sin = rope_tables(8, 16, 10000.0)
+    q = torch.randn(1, 1, 1, 8).expand(1, 1, 16, 8)
+    k = torch.randn(1, 1, 1, 8).expand(1, 1, 16, 8)
+    rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+    dots = (rq[0, 0, 3:] * rk[0, 0, :-3]).sum(-1)  # same offset 3 everywhere
+    torch.testing.assert_close(dots, dots[0].expand_as(dots), rtol=1e-4, atol=1e-5)
+
+
+def test_loss_of_uniform_logits_is_log_vocab():
+    logits = torch.zeros(2, 5, 64)
+    targets = torch.randint(0, 64, (2, 5))
+    assert lm_loss(logits, targets).item() == pytest.approx(torch.log(torch.tensor(64.0)).item())
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "embed", "head", "expected"),
+    [
+        (4, 1, 1.0, 1.0, [4]),
+        (4, 2, 1.0, 1.0, [2, 2]),
+        (30, 4, 1.0, 1.0, [7, 8, 8, 7]),
+        (8, 3, 2.0, 3.0, [3, 5, 0]),
+        (6, 2, 0.0, 4.0, [5, 1]),
+    ],
+)
+def test_balanced_partition(layers, stages, embed, head, expected):
+    specs = partition(layers, stages, embed, head)
+    assert [len(s.blocks) for s in specs] == expected
+    assert specs[0].has_embed and specs[-1].has_head
+    assert [b for s in specs for b in s.blocks] == list(range(layers))
+
+
+def test_explicit_partition_and_its_errors():
+    assert [len(s.blocks) for s in partition(4, 2, stage_layers=[1, 3])] == [1, 3]
+    with pytest.raises(ConfigError, match="summing"):
+        partition(4, 2, stage_layers=[1, 2])
+    with pytest.raises(ConfigError, match="no block"):
+        partition(4, 3, stage_layers=[2, 0, 2])
+    with pytest.raises(ConfigError, match="at most"):
+        partition(2, 5)

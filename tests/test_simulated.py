@@ -1,0 +1,138 @@
+"""The single-process engine on the real model, against plain PyTorch loops written out here."""
+
+import copy
+
+import pytest
+import torch
+
+from nobubble.config import TrainConfig
+from nobubble.model import build_model, lm_loss
+from nobubble.optim import build_optimizer, lr_at, set_lr
+from nobubble.simulated import SimulatedEngine
+
+STEPS = 5
+
+
+def config(**overrides) -> TrainConfig:
+    base = dict(batch_size=4, microbatches=2, seq_len=16, lr=1e-2, warmup_steps=2, steps=STEPS)
+    return TrainConfig(**{**base, **overrides})
+
+
+def batches(mc, cfg, n=STEPS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, mc.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
+            for _ in range(n)]  # fmt: skip
+
+
+def run_engine(cfg, mc, data):
+    engine = SimulatedEngine(cfg, mc, torch.device("cpu"))
+    losses = []
+    feed = iter(data)
+    engine.run_steps(len(data), lambda: next(feed), lambda s: losses.append(s.loss))
+    return losses, engine.named_weights()
+
+
+def plain_step(model, optimizer, batch, cfg, t, grad_model=None, stage_of=lambda name: 0):
+    """Gradient accumulation over M microbatches, clipping per stage, one optimizer step.
+
+    With ``grad_model`` the gradient is computed there (old weights) and applied to ``model``.
+    """
+    source = grad_model or model
+    total = 0.0
+    for micro in batch.chunk(cfg.microbatches):
+        loss = lm_loss(source(micro[:, :-1]), micro[:, 1:])
+        (loss / cfg.microbatches).backward()
+        total += loss.item()
+    if grad_model is not None:
+        for p, q in zip(model.parameters(), grad_model.parameters(), strict=True):
+            p.grad, q.grad = q.grad, None
+    stages: dict[int, list] = {}
+    for name, p in model.named_parameters():
+        stages.setdefault(stage_of(name), []).append(p)
+    for params in stages.values():
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    set_lr(optimizer, lr_at(t, cfg))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total / cfg.microbatches
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_sync_is_bit_identical_to_a_plain_training_loop(tiny_mc, optim):
+    cfg = config(optim=optim)
+    data = batches(tiny_mc, cfg)
+    losses, weights = run_engine(cfg, tiny_mc, data)
+
+    model = build_model(tiny_mc, cfg.seed)
+    optimizer = build_optimizer(list(model.named_parameters()), cfg)
+    expected = [plain_step(model, optimizer, b, cfg, t) for t, b in enumerate(data)]
+    assert losses == expected
+    for name, p in model.named_parameters():
+        assert torch.equal(weights[name], p), name
+
+
+@pytest.mark.parametrize(("optim", "ef"), [("adamw", False), ("adamw", True), ("muon", True)])
+def test_2bw_matches_a_loop_that_keeps_the_previous_model(tiny_mc, optim, ef):
+    cfg = config(optim=optim, schedule="2bw", ef=ef)
+    data = batches(tiny_mc, cfg)
+    losses, weights = run_engine(cfg, tiny_mc, data)
+
+    model = build_model(tiny_mc, cfg.seed)
+    previous = copy.deepcopy(model)  # w[t-1], with w[-1] = w[0]
+    optimizer = build_optimizer(list(model.named_parameters()), cfg)
+    expected = []
+    for t, batch in enumerate(data):
+        before = copy.deepcopy(model)  # w[t]
+        expected.append(plain_step(model, optimizer, batch, cfg, t, grad_model=previous))
+        previous = before
+    assert losses == pytest.approx(expected, rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(weights[name], p, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_pipedream_gives_each_stage_its_own_old_weights(tiny_mc):
+    cfg = config(schedule="pipedream", stages=3, microbatches=1, batch_size=2)
+    data = batches(tiny_mc, cfg)
+    losses, weights = run_engine(cfg, tiny_mc, data)
+
+    # stages of a 4-block model over 3 stages: [embed, b0], [b1, b2], [b3, norm, head]
+    def stage_of(name: str) -> int:
+        if name.startswith("embed") or name.startswith("blocks.0."):
+            return 0
+        if name.startswith(("blocks.1.", "blocks.2.")):
+            return 1
+        return 2
+
+    model = build_model(tiny_mc, cfg.seed)
+    optimizer = build_optimizer(list(model.named_parameters()), cfg)
+    history = [copy.deepcopy(model.state_dict())]
+    expected = []
+    for t, batch in enumerate(data):
+        mixed = copy.deepcopy(model)
+        state = {n: history[max(t - (2 - stage_of(n)), 0)][n] for n in model.state_dict()}
+        mixed.load_state_dict(state)
+        expected.append(plain_step(model, optimizer, batch, cfg, t, mixed, stage_of))
+        history.append(copy.deepcopy(model.state_dict()))
+    assert losses == pytest.approx(expected, rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(weights[name], p, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_delayed_step_runs_each_microbatch_once(tiny_mc):
+    cfg = config(schedule="2bw")
+    engine = SimulatedEngine(cfg, tiny_mc, torch.device("cpu"))
+    calls = []
+    engine.trainer.micro_loss = lambda w, m, f=engine.micro_loss: calls.append(1) or f(w, m)
+    feed = iter(batches(tiny_mc, cfg))
+    engine.run_steps(3, lambda: next(feed), lambda s: None)
+    assert len(calls) == 3 * cfg.microbatches
+    assert [store.held() for store in engine.trainer.stores] == [[2, 3]]  # two versions
+
+
+def test_2bw_and_sync_differ(tiny_mc):
+    """Guards the tests above against a delay that silently does nothing."""
+    data = batches(tiny_mc, config())
+    sync_losses, _ = run_engine(config(), tiny_mc, data)
+    delayed_losses, _ = run_engine(config(schedule="2bw"), tiny_mc, data)
+    assert sync_losses[0] == delayed_losses[0]  # both at w[0]
+    assert all(a != b for a, b in zip(sync_losses[1:], delayed_losses[1:], strict=True))
