@@ -1,0 +1,113 @@
+"""``nobubble train | schedule``: the command line.
+
+Every field of :class:`nobubble.config.TrainConfig` is a flag (``--batch-size 32``; booleans also
+``--no-ef``) and a ``key=value`` override; ``--config FILE.toml`` supplies a base layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from collections.abc import Sequence
+
+from nobubble.config import (
+    FIELDS,
+    ConfigError,
+    TrainConfig,
+    build_config,
+    load_toml,
+    parse_overrides,
+)
+
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE.toml", help="base configuration file")
+    group = parser.add_argument_group("configuration (also settable as key=value)")
+    for name, field in FIELDS.items():
+        help_text = f"{field.metadata['help']} (default: {field.default})"
+        if _HINTS[name] in (bool, bool | None):
+            group.add_argument(
+                _flag(name), dest=name, action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS, help=help_text,
+            )  # fmt: skip
+        else:
+            group.add_argument(
+                _flag(name), dest=name, metavar=name.upper(), default=argparse.SUPPRESS,
+                help=help_text,
+            )  # fmt: skip
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, e.g. optim=muon lr=2e-3",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """defaults < --config file < flags < key=value overrides."""
+    base = load_toml(args.config) if args.config else {}
+    flags = {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
+    return build_config(base, flags, parse_overrides(args.overrides))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from nobubble.pipeline.launch import launched_by_torchrun, train_pipeline
+    from nobubble.train import train
+
+    cfg = config_from_args(args)
+    run = train_pipeline if launched_by_torchrun() else train
+    run(cfg, overwrite=args.overwrite)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nobubble.schedules import cli as schedule_cli
+
+    parser = argparse.ArgumentParser(
+        prog="nobubble", description="Asynchronous pipeline-parallel LLM pretraining."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train_parser = commands.add_parser(
+        "train", help="train a model (one process: simulation; under torchrun: the pipeline)"
+    )
+    add_config_arguments(train_parser)
+    train_parser.add_argument(
+        "--overwrite", action="store_true", help="replace the run folder if it already holds files"
+    )
+    train_parser.set_defaults(func=cmd_train)
+
+    schedule_parser = commands.add_parser("schedule", help="simulate and draw a pipeline schedule")
+    schedule_cli.add_arguments(schedule_parser)
+    schedule_parser.set_defaults(func=schedule_cli.run)
+    return parser
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from nobubble.checkpoint import CheckpointError
+    from nobubble.data import DataError
+    from nobubble.pipeline.comm import PeerTimeout
+    from nobubble.schedules import ScheduleError
+    from nobubble.train import TrainingError
+
+    return (ConfigError, DataError, TrainingError, CheckpointError, ScheduleError, PeerTimeout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except user_errors() as exc:
+        print(f"nobubble: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("nobubble: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""The multi-process pipeline runtime (one stage per torchrun process)."""

@@ -1,0 +1,83 @@
+"""Point-to-point messages between pipeline stages, with timeouts that name the culprit.
+
+Every message has a channel (activation, gradient, step statistics, evaluation) and a sequence
+number (the microbatch or step); together they form the p2p tag, so messages can be posted in any
+order. Sends are asynchronous (their tensors are kept alive until they complete); receives are
+posted early and waited for where their data is consumed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class Channel(enum.IntEnum):
+    ACTIVATION = 0
+    GRADIENT = 1
+    STATS = 2
+    EVAL_ACTIVATION = 3
+    EVAL_SUMS = 4
+
+
+def tag(channel: Channel, sequence: int) -> int:
+    return sequence * len(Channel) + int(channel)
+
+
+class PeerTimeout(RuntimeError):
+    """A stage waited longer than ``p2p_timeout_s`` for a peer."""
+
+
+@dataclass
+class PendingRecv:
+    buffer: torch.Tensor
+    work: dist.Work
+    peer: int
+    what: str
+
+
+class Messenger:
+    """Asynchronous sends and receives of one rank, with a timeout on every wait."""
+
+    def __init__(self, rank: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, tensor: torch.Tensor, peer: int, channel: Channel, sequence: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self.sends.append((dist.isend(tensor, peer, tag=tag(channel, sequence)), tensor))
+        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+
+    def post_recv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, peer: int,
+        channel: Channel, sequence: int, what: str,
+    ) -> PendingRecv:  # fmt: skip
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        work = dist.irecv(buffer, peer, tag=tag(channel, sequence))
+        return PendingRecv(buffer, work, peer, what)
+
+    def wait(self, pending: PendingRecv) -> torch.Tensor:
+        try:
+            pending.work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerTimeout(
+                f"stage {self.rank} waited more than {self.timeout.total_seconds():.0f}s for "
+                f"{pending.what} from stage {pending.peer}; that stage is stuck or died (see its "
+                f"log). Raise p2p_timeout_s if it is just slow. ({exc})"
+            ) from None
+        return pending.buffer
+
+    def recv(self, *args, **kwargs) -> torch.Tensor:
+        return self.wait(self.post_recv(*args, **kwargs))
+
+    def drain(self) -> None:
+        """Wait for every send of this rank to be received."""
+        for work, _ in self.sends:
+            if not work.wait(self.timeout):
+                raise PeerTimeout(f"stage {self.rank}: a send was not received in time")
+        self.sends.clear()

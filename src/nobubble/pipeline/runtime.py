@@ -1,0 +1,293 @@
+"""One pipeline stage: executes its action list of the schedule IR on real tensors.
+
+The stage owns a slice of the model (:class:`nobubble.model.Stage`) and its weight versions
+(:class:`nobubble.versions.VersionStore`, the same as the simulator's). Every F runs with the
+version its action names and every B with the same one (weight stashing through
+``functional_call``, never an in-place swap); a STEP clips, steps the optimizer on the newest
+version and, when microbatches in flight still need it, first copies it (two versions under 2bw).
+
+Versions follow :mod:`nobubble.delay` for the global step, so a run cut into segments (for
+evaluations and checkpoints) computes exactly what an uncut run computes; for a segment that
+starts the run the IR's own versions are checked against that rule before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from nobubble.config import TrainConfig
+from nobubble.delay import gradient_version, stage_delays
+from nobubble.engine import StepStats, clip_stage
+from nobubble.evaluation import EvalSums
+from nobubble.model import ModelConfig, Stage, lm_loss, partition
+from nobubble.optim import build_optimizer, lr_at, set_lr
+from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
+from nobubble.schedules import Action, ActionKind, generate, lower
+from nobubble.simulated import autocast, versions_from_tensors
+from nobubble.versions import VersionStore
+
+RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
+RECV_AHEAD = 4  # post a receive this many actions before the action that consumes it
+
+
+def ir_schedule(schedule: str) -> str:
+    """The IR generator behind a config schedule (``sync`` runs as 1f1b: same semantics)."""
+    return "1f1b" if schedule == "sync" else schedule
+
+
+def segment_actions(
+    cfg: TrainConfig, stage: int, start: int, stop: int, delay: int
+) -> list[Action]:
+    """This stage's lowered actions for steps [start, stop), with global indices and versions."""
+    per_step = 1 if cfg.schedule == "pipedream" else cfg.microbatches
+    lowered = lower(generate(ir_schedule(cfg.schedule), cfg.stages, per_step, stop - start))
+    actions = []
+    for action in lowered[stage]:
+        step = action.step + start
+        if action.kind is ActionKind.STEP:
+            version = step + 1
+        else:
+            version = gradient_version(step, delay)
+        if start == 0 and version != action.version:
+            raise RuntimeError(
+                f"schedule IR and delay rule disagree at stage {stage}: {action} should use "
+                f"version {version}; this is a bug in nobubble"
+            )
+        microbatch = None if action.microbatch is None else action.microbatch + start * per_step
+        actions.append(dataclasses.replace(action, step=step, microbatch=microbatch, version=version))
+    return actions
+
+
+class PipelineEngine:
+    """Rank ``rank`` of a ``cfg.stages``-stage pipeline (torch.distributed must be initialized)."""
+
+    def __init__(
+        self, cfg: TrainConfig, mc: ModelConfig, device: torch.device, val_batches: int
+    ) -> None:
+        self.cfg, self.device = cfg, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+        self.spec = specs[self.rank]
+        self.first, self.last = self.spec.has_embed, self.spec.has_head
+        self.module = Stage(mc, self.spec, cfg.seed).to(device)
+        params = dict(self.module.named_parameters())
+        self.store = VersionStore(params)
+        self.optimizer = build_optimizer(list(params.items()), cfg)
+        self.delay = stage_delays(cfg.schedule, cfg.stages)[self.rank]
+        self.messenger = Messenger(self.rank, cfg.p2p_timeout_s)
+        self.hidden_shape = (cfg.microbatch_size(), cfg.seq_len, mc.d_model)
+        self.val_batches = val_batches
+        self.eval_sequence = 0
+        self.step = 0
+        self.micro_per_step = 1 if cfg.schedule == "pipedream" else cfg.microbatches
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # -- training -------------------------------------------------------------------------------
+
+    def run_steps(
+        self,
+        stop: int,
+        next_batch: Callable[[], torch.Tensor] | None,
+        on_step: Callable[[StepStats], None],
+    ) -> None:
+        actions = segment_actions(self.cfg, self.rank, self.step, stop, self.delay)
+        run = _Segment(self, next_batch, on_step)
+        for index, action in enumerate(actions):
+            run.post_receives(actions, index)
+            run.execute(action)
+        self.messenger.drain()
+
+    def apply_step(self, step: int) -> tuple[float, bool, float]:
+        """The STEP action: gradient -> clip -> optimizer on the newest version."""
+        self.store.take_gradients(gradient_version(step, self.delay))
+        norm, ok = clip_stage(self.store.params.values(), self.cfg.grad_clip)
+        self.store.release_older_than(gradient_version(step + 1, self.delay))
+        self.store.begin_step(still_needed=self.delay > 0)
+        lr = lr_at(step, self.cfg)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step + 1
+        return norm, ok, lr
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor | None) -> EvalSums:
+        """Forward the validation batches through the stages at the newest weights."""
+        sums = EvalSums()
+        chunks: list[torch.Tensor] = [
+            micro for batch in batches for micro in batch.to(self.device).chunk(self.cfg.microbatches)
+        ]
+        count = self.val_batches * self.cfg.microbatches
+        for i in range(count):
+            sequence = self.eval_sequence + i
+            if self.first:
+                x = chunks[i][:, :-1]
+            else:
+                x = self.messenger.recv(
+                    self.hidden_shape, torch.float32, self.device, self.rank - 1,
+                    Channel.EVAL_ACTIVATION, sequence, f"evaluation activation {i}",
+                )  # fmt: skip
+            with autocast(self.device, self.cfg.dtype):
+                out = self.module(x)
+            if self.last:
+                sums.add(out, chunks[i][:, 1:], token_bytes)
+            else:
+                self.messenger.send(out.float(), self.rank + 1, Channel.EVAL_ACTIVATION, sequence)
+        self.eval_sequence += count
+        sums = self._gather_to_rank0(sums)
+        self.messenger.drain()
+        return sums
+
+    def _gather_to_rank0(self, sums: EvalSums) -> EvalSums:
+        if self.world == 1:
+            return sums
+        last = self.world - 1
+        if self.rank == last:
+            totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
+            self.messenger.send(totals, 0, Channel.EVAL_SUMS, self.eval_sequence)
+        if self.rank == 0:
+            totals = self.messenger.recv(
+                (4,), torch.float64, self.device, last, Channel.EVAL_SUMS, self.eval_sequence,
+                "evaluation totals",
+            )  # fmt: skip
+            return EvalSums.from_list(totals.tolist())
+        return sums
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            f"v{version}/{name}": tensor
+            for version, weights in self.store.snapshot().items()
+            for name, tensor in weights.items()
+        }
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict()}
+
+    def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.store.load(versions_from_tensors(tensors, self.store.params))
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class _Segment:
+    """The mutable state of one run of actions: stashes, pending receives, batches, losses."""
+
+    def __init__(
+        self,
+        engine: PipelineEngine,
+        next_batch: Callable[[], torch.Tensor] | None,
+        on_step: Callable[[StepStats], None],
+    ) -> None:
+        self.e = engine
+        self.next_batch = next_batch
+        self.on_step = on_step
+        self.batches: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
+        self.input_grads: dict[int, torch.Tensor] = {}
+        self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
+        self.losses: dict[int, float] = {}
+
+    def post_receives(self, actions: list[Action], index: int) -> None:
+        for action in actions[index : index + RECV_AHEAD]:
+            key = (action.kind, action.microbatch)
+            if action.kind in RECV_CHANNELS and key not in self.recvs:
+                what = "activation" if action.kind is ActionKind.RECV_ACT else "gradient"
+                self.recvs[key] = self.e.messenger.post_recv(
+                    self.e.hidden_shape, torch.float32, self.e.device, action.peer,
+                    RECV_CHANNELS[action.kind], action.microbatch,
+                    f"the {what} of microbatch {action.microbatch} (step {action.step})",
+                )  # fmt: skip
+
+    def received(self, kind: ActionKind, microbatch: int) -> torch.Tensor:
+        return self.e.messenger.wait(self.recvs.pop((kind, microbatch)))
+
+    def microbatch(self, action: Action) -> torch.Tensor:
+        """The token rows of this F's microbatch (first and last stage only)."""
+        if action.step not in self.batches:
+            self.batches[action.step] = self.next_batch().to(self.e.device).chunk(
+                self.e.micro_per_step
+            )
+        index = action.microbatch - action.step * self.e.micro_per_step
+        rows = self.batches[action.step][index]
+        if index == self.e.micro_per_step - 1:
+            del self.batches[action.step]
+        return rows
+
+    def execute(self, action: Action) -> None:
+        e, kind = self.e, action.kind
+        if kind is ActionKind.F:
+            self.forward(action)
+        elif kind is ActionKind.B:
+            self.backward(action)
+        elif kind is ActionKind.SEND_ACT:
+            e.messenger.send(self.stash[action.microbatch][1], action.peer, Channel.ACTIVATION,
+                             action.microbatch)  # fmt: skip
+        elif kind is ActionKind.SEND_GRAD:
+            e.messenger.send(self.input_grads.pop(action.microbatch), action.peer,
+                             Channel.GRADIENT, action.microbatch)  # fmt: skip
+        elif kind is ActionKind.STEP:
+            self.step(action.step)
+        # RECV_*: posted ahead by post_receives, consumed by F/B
+
+    def forward(self, action: Action) -> None:
+        e = self.e
+        rows = self.microbatch(action) if (e.first or e.last) else None
+        if e.first:
+            x = rows[:, :-1]
+        else:
+            x = self.received(ActionKind.RECV_ACT, action.microbatch).requires_grad_(True)
+        with autocast(e.device, e.cfg.dtype):
+            out = functional_call(e.module, e.store[action.version], (x,))
+        if e.last:
+            out = lm_loss(out, rows[:, 1:])
+            self.losses[action.step] = self.losses.get(action.step, 0.0) + out.item()
+        self.stash[action.microbatch] = (x, out)
+
+    def backward(self, action: Action) -> None:
+        e = self.e
+        x, out = self.stash.pop(action.microbatch)
+        if e.last:
+            (out / e.micro_per_step).backward()
+        else:
+            out.backward(self.received(ActionKind.RECV_GRAD, action.microbatch))
+        if not e.first:
+            self.input_grads[action.microbatch] = x.grad
+
+    def step(self, step: int) -> None:
+        e = self.e
+        norm, ok, lr = e.apply_step(step)
+        loss = self.losses.pop(step, math.nan) / e.micro_per_step
+        report = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
+        if e.rank != 0:
+            e.messenger.send(report.to(e.device), 0, Channel.STATS, step)
+            return
+        reports = [report]
+        for peer in range(1, e.world):
+            reports.append(
+                e.messenger.recv(
+                    (3,), torch.float64, e.device, peer, Channel.STATS, step,
+                    f"the statistics of step {step}",
+                ).cpu()  # fmt: skip
+            )
+        self.on_step(
+            StepStats(
+                step=step,
+                loss=reports[-1][0].item(),
+                grad_norm=math.sqrt(sum(r[1].item() ** 2 for r in reports)),
+                lr=lr,
+                skipped_stages=[s for s, r in enumerate(reports) if r[2].item()],
+            )
+        )

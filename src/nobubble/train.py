@@ -1,0 +1,229 @@
+"""One training loop for both backends: segments of steps, evaluation, logging, checkpoints.
+
+The loop asks the engine to train up to the next boundary (an evaluation or a checkpoint step), so
+a pipeline only drains where something needs the newest weights of every stage.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from nobubble.checkpoint import checkpoint_name, prune, publish, staging_dir, write_shard
+from nobubble.config import TrainConfig
+from nobubble.data import DataBundle, build_data
+from nobubble.engine import Engine, StepStats
+from nobubble.evaluation import EvalSums
+from nobubble.model import model_config
+from nobubble.runfolder import RunFolder
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. gradients keep being non-finite); the message says why."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("device=cuda was requested but no CUDA device is available; use cpu")
+    return torch.device(name)
+
+
+def configure_torch(cfg: TrainConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def boundaries(cfg: TrainConfig, start: int) -> tuple[list[int], set[int], set[int]]:
+    """(every step where training pauses, evaluation steps, checkpoint steps) after ``start``."""
+    evals = {cfg.steps}
+    if cfg.eval_every:
+        evals |= set(range(cfg.eval_every, cfg.steps, cfg.eval_every))
+    saves = {cfg.steps}
+    if cfg.checkpoint_every:
+        saves |= set(range(cfg.checkpoint_every, cfg.steps, cfg.checkpoint_every))
+    stops = sorted(s for s in evals | saves if s > start)
+    return stops, evals, saves
+
+
+class StepLogger:
+    """Turns step stats and evaluations into metrics lines, the progress bar and the summary."""
+
+    def __init__(self, cfg: TrainConfig, run: RunFolder, start: int, enabled: bool = True) -> None:
+        self.cfg, self.run, self.enabled = cfg, run, enabled
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.train_time = 0.0
+        self.segment_start = time.perf_counter()
+        self.done = start
+        self.pending: dict | None = None
+        self.bad_in_a_row = 0
+        self.last_eval: tuple[float, float] | None = None
+        show = cfg.progress and enabled
+        self.bar = tqdm(total=cfg.steps, initial=start, disable=not show, unit="step")
+
+    def begin_segment(self) -> None:
+        self.segment_start = time.perf_counter()
+
+    def end_segment(self) -> None:
+        self.train_time += time.perf_counter() - self.segment_start
+
+    def tokens_per_s(self, extra_time: float = 0.0) -> float:
+        seconds = self.train_time + extra_time
+        trained = (self.done - self.first_step) * self.tokens_per_step
+        return trained / seconds if seconds > 0 else 0.0
+
+    @property
+    def first_step(self) -> int:
+        return self.bar.initial
+
+    def on_step(self, stats: StepStats) -> None:
+        self.done = stats.step + 1
+        self.check_finite(stats)
+        rate = self.tokens_per_s(time.perf_counter() - self.segment_start)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+        if self.done % self.cfg.log_every and self.done != self.cfg.steps:
+            return
+        self.flush()
+        record = {
+            "step": self.done,
+            "train_loss": stats.loss,
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            "tokens": self.done * self.tokens_per_step,
+            "tokens_per_s": rate,
+        }
+        if stats.skipped_stages:
+            record["skipped_stages"] = stats.skipped_stages
+        self.pending = record
+
+    def check_finite(self, stats: StepStats) -> None:
+        if not stats.skipped_stages and math.isfinite(stats.loss):
+            self.bad_in_a_row = 0
+            return
+        self.bad_in_a_row += 1
+        warnings.warn(
+            f"step {stats.step + 1}: non-finite loss or gradient (loss {stats.loss}); stages "
+            f"{stats.skipped_stages} skipped their update",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        if self.bad_in_a_row >= self.cfg.nonfinite_patience:
+            raise TrainingError(
+                f"{self.bad_in_a_row} steps in a row had non-finite gradients (last at step "
+                f"{stats.step + 1}); lower the learning rate, enable grad_clip, or check the data"
+            )
+
+    def on_eval(self, step: int, sums: EvalSums) -> None:
+        if not self.enabled:
+            return
+        val_loss, val_bpb = sums.result()
+        self.last_eval = (val_loss, val_bpb)
+        if self.pending is None or self.pending["step"] != step:
+            self.flush()
+            self.pending = {"step": step}
+        self.pending.update(val_loss=val_loss, val_bpb=val_bpb, train_time_s=self.train_time)
+        self.bar.write(f"step {step}: val_loss {val_loss:.4f}  val_bpb {val_bpb:.4f}")
+        self.flush()
+
+    def flush(self) -> None:
+        if self.pending is not None and self.enabled:
+            self.run.append_metrics(self.pending)
+            self.pending = None
+
+    def close(self) -> None:
+        self.flush()
+        self.bar.close()
+
+
+def save_checkpoint(
+    root: Path, engine: Engine, data: DataBundle | None, cfg: TrainConfig
+) -> None:
+    """Every rank writes its shard; rank 0 seals the checkpoint once all are written."""
+    staging = staging_dir(root, engine.step)
+    meta = {"step": engine.step, "data": data.train.state_dict() if data else None}
+    meta["config"] = cfg.to_dict()
+    write_shard(staging, engine.rank, engine.checkpoint_tensors(), engine.checkpoint_state(), meta)
+    engine.barrier()
+    if engine.rank == 0:
+        publish(staging, root / checkpoint_name(engine.step), engine.step, engine.world)
+        prune(root, cfg.keep_checkpoints)
+    engine.barrier()
+
+
+def run_training(
+    cfg: TrainConfig, run: RunFolder, data: DataBundle | None, engine: Engine
+) -> dict | None:
+    """Train ``engine`` to ``cfg.steps``; rank 0 logs and returns the summary (others: None).
+
+    ``data`` is None on pipeline stages that need no data (neither first nor last).
+    """
+    started = time.perf_counter()
+    leader = engine.rank == 0
+    token_bytes = data.tokenizer.token_bytes() if data else None
+    next_batch = data.train.next_batch if data else None
+    val = data.val if data else []
+    stops, evals, saves = boundaries(cfg, engine.step)
+    log = StepLogger(cfg, run, engine.step, enabled=leader)
+    try:
+        if engine.step == 0:
+            log.on_eval(0, engine.evaluate(val, token_bytes))
+        for stop in stops:
+            log.begin_segment()
+            engine.run_steps(stop, next_batch, log.on_step)
+            log.end_segment()
+            if stop in evals:
+                log.on_eval(stop, engine.evaluate(val, token_bytes))
+            log.flush()
+            if stop in saves:
+                save_checkpoint(run.checkpoints, engine, data, cfg)
+    finally:
+        log.close()
+    if not leader:
+        return None
+    val_loss, val_bpb = log.last_eval or (float("nan"), float("nan"))
+    summary = {
+        "final_val_loss": val_loss,
+        "final_val_bpb": val_bpb,
+        "tokens_per_s": log.tokens_per_s(),
+        "wall_s": time.perf_counter() - started,
+        "train_s": log.train_time,
+        "steps": engine.step,
+        "peak_mem_mb": peak_memory_mb(engine.device),
+    }
+    run.write_summary(summary)
+    return summary
+
+
+def train(cfg: TrainConfig, overwrite: bool = False) -> Path:
+    """Train in this process (the simulator of ``cfg.schedule``); return the run folder."""
+    from nobubble.simulated import SimulatedEngine
+
+    configure_torch(cfg)
+    device = resolve_device(cfg.device)
+    run = RunFolder.create(cfg, overwrite=overwrite)
+    try:
+        data = build_data(cfg, run.path)
+        mc = model_config(cfg, data.tokenizer.vocab_size)
+        engine = SimulatedEngine(cfg, mc, device)
+    except BaseException:
+        shutil.rmtree(run.path)  # nothing was trained: leave no half-made run behind
+        raise
+    print(f"run folder: {run.path}")
+    run_training(cfg, run, data, engine)
+    return run.path
