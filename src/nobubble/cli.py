@@ -34,14 +34,20 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = f"{field.metadata['help']} (default: {field.default})"
         if _HINTS[name] in (bool, bool | None):
             group.add_argument(
-                _flag(name), dest=name, action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS, help=help_text,
-            )  # fmt: skip
+                _flag(name),
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
         else:
             group.add_argument(
-                _flag(name), dest=name, metavar=name.upper(), default=argparse.SUPPRESS,
+                _flag(name),
+                dest=name,
+                metavar=name.upper(),
+                default=argparse.SUPPRESS,
                 help=help_text,
-            )  # fmt: skip
+            )
     parser.add_argument(
         "overrides",
         nargs="*",

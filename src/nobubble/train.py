@@ -69,7 +69,7 @@ class StepLogger:
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.train_time = 0.0
         self.segment_start = time.perf_counter()
-        self.done = start
+        self.done = self.first_step = start
         self.pending: dict | None = None
         self.bad_in_a_row = 0
         self.last_eval: tuple[float, float] | None = None
@@ -86,10 +86,6 @@ class StepLogger:
         seconds = self.train_time + extra_time
         trained = (self.done - self.first_step) * self.tokens_per_step
         return trained / seconds if seconds > 0 else 0.0
-
-    @property
-    def first_step(self) -> int:
-        return self.bar.initial
 
     def on_step(self, stats: StepStats) -> None:
         self.done = stats.step + 1
@@ -151,9 +147,7 @@ class StepLogger:
         self.bar.close()
 
 
-def save_checkpoint(
-    root: Path, engine: Engine, data: DataBundle | None, cfg: TrainConfig
-) -> None:
+def save_checkpoint(root: Path, engine: Engine, data: DataBundle | None, cfg: TrainConfig) -> None:
     """Every rank writes its shard; rank 0 seals the checkpoint once all are written."""
     staging = staging_dir(root, engine.step)
     meta = {"step": engine.step, "data": data.train.state_dict() if data else None}

@@ -54,9 +54,15 @@ class Messenger:
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
 
     def post_recv(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, peer: int,
-        channel: Channel, sequence: int, what: str,
-    ) -> PendingRecv:  # fmt: skip
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        peer: int,
+        channel: Channel,
+        sequence: int,
+        what: str,
+    ) -> PendingRecv:
         buffer = torch.empty(shape, dtype=dtype, device=device)
         work = dist.irecv(buffer, peer, tag=tag(channel, sequence))
         return PendingRecv(buffer, work, peer, what)

@@ -60,9 +60,13 @@ def train_pipeline(cfg: TrainConfig, overwrite: bool = False) -> Path:
     configure_torch(cfg)
     device, backend = _device(cfg)
     timeout = datetime.timedelta(seconds=cfg.p2p_timeout_s)
-    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend, timeout=timeout, device_id=device if backend == "nccl" else None
+    )
     try:
-        run_path = Path(_broadcast(str(RunFolder.create(cfg, overwrite).path) if rank == 0 else None))
+        run_path = Path(
+            _broadcast(str(RunFolder.create(cfg, overwrite).path) if rank == 0 else None)
+        )
         run = RunFolder(run_path)
         data: DataBundle | None = None
         try:

@@ -51,17 +51,17 @@ def segment_actions(
     actions = []
     for action in lowered[stage]:
         step = action.step + start
-        if action.kind is ActionKind.STEP:
-            version = step + 1
-        else:
-            version = gradient_version(step, delay)
+        # a STEP produces version step+1; F, B and their messages use the delayed version
+        version = step + 1 if action.kind is ActionKind.STEP else gradient_version(step, delay)
         if start == 0 and version != action.version:
             raise RuntimeError(
                 f"schedule IR and delay rule disagree at stage {stage}: {action} should use "
                 f"version {version}; this is a bug in nobubble"
             )
         microbatch = None if action.microbatch is None else action.microbatch + start * per_step
-        actions.append(dataclasses.replace(action, step=step, microbatch=microbatch, version=version))
+        actions.append(
+            dataclasses.replace(action, step=step, microbatch=microbatch, version=version)
+        )
     return actions
 
 
@@ -122,11 +122,15 @@ class PipelineEngine:
     # -- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor | None) -> EvalSums:
+    def evaluate(
+        self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor | None
+    ) -> EvalSums:
         """Forward the validation batches through the stages at the newest weights."""
         sums = EvalSums()
         chunks: list[torch.Tensor] = [
-            micro for batch in batches for micro in batch.to(self.device).chunk(self.cfg.microbatches)
+            micro
+            for batch in batches
+            for micro in batch.to(self.device).chunk(self.cfg.microbatches)
         ]
         count = self.val_batches * self.cfg.microbatches
         for i in range(count):
@@ -135,9 +139,14 @@ class PipelineEngine:
                 x = chunks[i][:, :-1]
             else:
                 x = self.messenger.recv(
-                    self.hidden_shape, torch.float32, self.device, self.rank - 1,
-                    Channel.EVAL_ACTIVATION, sequence, f"evaluation activation {i}",
-                )  # fmt: skip
+                    self.hidden_shape,
+                    torch.float32,
+                    self.device,
+                    self.rank - 1,
+                    Channel.EVAL_ACTIVATION,
+                    sequence,
+                    f"evaluation activation {i}",
+                )
             with autocast(self.device, self.cfg.dtype):
                 out = self.module(x)
             if self.last:
@@ -158,9 +167,14 @@ class PipelineEngine:
             self.messenger.send(totals, 0, Channel.EVAL_SUMS, self.eval_sequence)
         if self.rank == 0:
             totals = self.messenger.recv(
-                (4,), torch.float64, self.device, last, Channel.EVAL_SUMS, self.eval_sequence,
+                (4,),
+                torch.float64,
+                self.device,
+                last,
+                Channel.EVAL_SUMS,
+                self.eval_sequence,
                 "evaluation totals",
-            )  # fmt: skip
+            )
             return EvalSums.from_list(totals.tolist())
         return sums
 
@@ -206,10 +220,14 @@ class _Segment:
             if action.kind in RECV_CHANNELS and key not in self.recvs:
                 what = "activation" if action.kind is ActionKind.RECV_ACT else "gradient"
                 self.recvs[key] = self.e.messenger.post_recv(
-                    self.e.hidden_shape, torch.float32, self.e.device, action.peer,
-                    RECV_CHANNELS[action.kind], action.microbatch,
+                    self.e.hidden_shape,
+                    torch.float32,
+                    self.e.device,
+                    action.peer,
+                    RECV_CHANNELS[action.kind],
+                    action.microbatch,
                     f"the {what} of microbatch {action.microbatch} (step {action.step})",
-                )  # fmt: skip
+                )
 
     def received(self, kind: ActionKind, microbatch: int) -> torch.Tensor:
         return self.e.messenger.wait(self.recvs.pop((kind, microbatch)))
@@ -217,8 +235,8 @@ class _Segment:
     def microbatch(self, action: Action) -> torch.Tensor:
         """The token rows of this F's microbatch (first and last stage only)."""
         if action.step not in self.batches:
-            self.batches[action.step] = self.next_batch().to(self.e.device).chunk(
-                self.e.micro_per_step
+            self.batches[action.step] = (
+                self.next_batch().to(self.e.device).chunk(self.e.micro_per_step)
             )
         index = action.microbatch - action.step * self.e.micro_per_step
         rows = self.batches[action.step][index]
@@ -233,11 +251,16 @@ class _Segment:
         elif kind is ActionKind.B:
             self.backward(action)
         elif kind is ActionKind.SEND_ACT:
-            e.messenger.send(self.stash[action.microbatch][1], action.peer, Channel.ACTIVATION,
-                             action.microbatch)  # fmt: skip
+            e.messenger.send(
+                self.stash[action.microbatch][1], action.peer, Channel.ACTIVATION, action.microbatch
+            )
         elif kind is ActionKind.SEND_GRAD:
-            e.messenger.send(self.input_grads.pop(action.microbatch), action.peer,
-                             Channel.GRADIENT, action.microbatch)  # fmt: skip
+            e.messenger.send(
+                self.input_grads.pop(action.microbatch),
+                action.peer,
+                Channel.GRADIENT,
+                action.microbatch,
+            )
         elif kind is ActionKind.STEP:
             self.step(action.step)
         # RECV_*: posted ahead by post_receives, consumed by F/B
@@ -278,9 +301,14 @@ class _Segment:
         for peer in range(1, e.world):
             reports.append(
                 e.messenger.recv(
-                    (3,), torch.float64, e.device, peer, Channel.STATS, step,
+                    (3,),
+                    torch.float64,
+                    e.device,
+                    peer,
+                    Channel.STATS,
+                    step,
                     f"the statistics of step {step}",
-                ).cpu()  # fmt: skip
+                ).cpu()
             )
         self.on_step(
             StepStats(

@@ -1,0 +1,48 @@
+"""Pipeline schedules as data: one IR that the simulator, the renderers and the runtime read.
+
+    actions = generate("2bw", stages=4, microbatches=8, steps=3)   # per stage: F, B, STEP
+    lowered = lower(actions)                                        # + SEND/RECV
+    result = simulate(lowered, fwd=1.0, bwd=2.0, comm=0.0)
+    assert check_invariants(actions, "2bw") == []
+    print(render_text(result))
+
+See docs/schedules.md.
+"""
+
+from nobubble.schedules.generators import SCHEDULE_NAMES, generate
+from nobubble.schedules.invariants import check_invariants, gradient_delay, version_budget
+from nobubble.schedules.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    version_last_uses,
+)
+from nobubble.schedules.lowering import is_lowered, lower
+from nobubble.schedules.render_png import render_png
+from nobubble.schedules.render_text import render_text
+from nobubble.schedules.simulator import DeadlockError, SimResult, TimedAction, simulate
+from nobubble.schedules.trace import chrome_trace, write_trace
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "ActionKind",
+    "DeadlockError",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "TimedAction",
+    "check_invariants",
+    "chrome_trace",
+    "generate",
+    "gradient_delay",
+    "is_lowered",
+    "lower",
+    "render_png",
+    "render_text",
+    "simulate",
+    "version_budget",
+    "version_last_uses",
+    "write_trace",
+]

@@ -1,0 +1,163 @@
+"""``nobubble schedule``: generate, lower, simulate, check and draw pipeline schedules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+
+from nobubble.schedules.generators import SCHEDULE_NAMES, generate
+from nobubble.schedules.invariants import check_invariants
+from nobubble.schedules.ir import ScheduleError
+from nobubble.schedules.lowering import lower
+from nobubble.schedules.render_png import render_png
+from nobubble.schedules.render_text import render_text
+from nobubble.schedules.simulator import SimResult, simulate
+from nobubble.schedules.trace import write_trace
+
+
+def _times(text: str) -> float | list[float]:
+    """One time for every stage ("2") or one per stage ("1,1,2,1")."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or comma-separated numbers (one per stage), got {text!r}"
+        ) from None
+    return values[0] if len(values) == 1 else values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--schedule",
+        default="2bw",
+        choices=[*SCHEDULE_NAMES, "all"],
+        help="schedule to simulate; 'all' compares the four (default: 2bw)",
+    )
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages P (default: 4)")
+    parser.add_argument(
+        "--microbatches", type=int, default=8, help="microbatches M per step (default: 8)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="optimizer steps of M microbatches (pipedream steps after every microbatch, so it "
+        "runs M*steps updates) (default: 3)",
+    )
+    parser.add_argument(
+        "--fwd",
+        type=_times,
+        default=1.0,
+        help="forward time, or one per stage: 1,1,2,1 (default: 1)",
+    )
+    parser.add_argument(
+        "--bwd", type=_times, default=2.0, help="backward time, or one per stage (default: 2)"
+    )
+    parser.add_argument(
+        "--comm", type=float, default=0.0, help="latency of every send (default: 0)"
+    )
+    parser.add_argument("--png", metavar="FILE", help="write a PNG timeline")
+    parser.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
+    parser.add_argument(
+        "--json", action="store_true", help="print a JSON summary instead of the text grid"
+    )
+    parser.add_argument(
+        "--no-grid", action="store_true", help="print only the figures, not the text grid"
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=shutil.get_terminal_size().columns,
+        help="text grid width in characters (default: the terminal's)",
+    )
+
+
+def _percent(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def _stage_table(result: SimResult) -> str:
+    lines = ["stage  busy    idle    bubble  peak activations  weight versions"]
+    for s in range(result.stages):
+        lines.append(
+            f"s{s:<5} {result.busy[s]:<7g} {result.idle[s]:<7g} "
+            f"{_percent(result.bubble_fraction[s]):<7} {result.peak_activations[s]:<17} "
+            f"{result.weight_versions[s]}"
+        )
+    return "\n".join(lines)
+
+
+def comparison_table(results: dict[str, SimResult]) -> str:
+    """A Markdown table: one row per schedule."""
+    lines = [
+        "| schedule | makespan | bubble | throughput (mb/unit) | peak activations per stage "
+        "| weight versions per stage |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r.makespan:g} | {_percent(r.bubble_fraction_overall)} | "
+            f"{r.throughput:.3f} | {r.peak_activations} | {r.weight_versions} |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``nobubble schedule``; 0 on success, 1 if an invariant fails, 2 on bad input."""
+    names = SCHEDULE_NAMES if args.schedule == "all" else (args.schedule,)
+    shape = f"P={args.stages} M={args.microbatches} steps={args.steps}"
+    results: dict[str, SimResult] = {}
+    violations: dict[str, list[str]] = {}
+    try:
+        for name in names:
+            actions = generate(name, args.stages, args.microbatches, args.steps)
+            results[name] = simulate(lower(actions), fwd=args.fwd, bwd=args.bwd, comm=args.comm)
+            violations[name] = check_invariants(actions, name)
+    except ScheduleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    panels = [(f"{name} {shape}", result) for name, result in results.items()]
+    if args.png:
+        render_png(panels, args.png)
+    if args.trace:
+        write_trace(panels, args.trace)
+
+    if args.json:
+        summaries = {
+            name: {
+                "schedule": name,
+                "stages": args.stages,
+                "microbatches": args.microbatches,
+                "steps": args.steps,
+                "fwd": args.fwd,
+                "bwd": args.bwd,
+                "comm": args.comm,
+                **result.summary(),
+                "invariant_violations": violations[name],
+            }
+            for name, result in results.items()
+        }
+        print(
+            json.dumps(summaries if args.schedule == "all" else summaries[args.schedule], indent=2)
+        )
+    else:
+        for name, result in results.items():
+            title = f"{name} {shape}"
+            print(title if args.no_grid else render_text(result, title=title, width=args.width))
+            print(_stage_table(result))
+            print(
+                f"makespan {result.makespan:g}, throughput {result.throughput:.3f} "
+                f"microbatches/unit, bubble {_percent(result.bubble_fraction_overall)} overall"
+            )
+            print("invariants: " + ("all hold" if not violations[name] else "VIOLATED"))
+            for problem in violations[name]:
+                print(f"  - {problem}")
+            print()
+        if len(results) > 1:
+            print(comparison_table(results))
+        for label, path in (("PNG", args.png), ("trace", args.trace)):
+            if path:
+                print(f"wrote {label} {path}")
+    return 1 if any(violations.values()) else 0

@@ -1,0 +1,90 @@
+"""Invariants a schedule must satisfy, checked on the IR itself.
+
+* Every stage runs one F and one B of every microbatch (and, from the simulator: in an order
+  that can run, i.e. no deadlock, inputs received before use, each B with its own F's version,
+  every weight version held when used).
+* The gradient a STEP applies is exactly as old as the schedule promises: a STEP producing
+  v+1 from v applies gradients computed at version max(v - d, 0), with d = 0 for gpipe and 1f1b,
+  d = 1 for 2bw (w[t+1] = w[t] - Δ(g(w[t-1])), w[-1] = w[0]) and d = P-1-s at stage s for
+  pipedream. The max() is the start of the run, where the older version does not exist.
+* A stage holds at most 1 weight version under gpipe and 1f1b, 2 under 2bw and P-s under
+  pipedream (its weight stash).
+"""
+
+from __future__ import annotations
+
+from nobubble.schedules.generators import SYNC_SCHEDULES, check_schedule_name
+from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
+from nobubble.schedules.lowering import is_lowered, lower
+from nobubble.schedules.simulator import simulate
+
+
+def gradient_delay(schedule: str, stages: int, stage: int) -> int:
+    """How many versions older than the weights it updates a stage's applied gradient is."""
+    if schedule in SYNC_SCHEDULES:
+        return 0
+    return 1 if schedule == "2bw" else stages - 1 - stage
+
+
+def version_budget(schedule: str, stages: int, stage: int) -> int:
+    """The most weight versions the schedule may hold at a stage."""
+    if schedule in SYNC_SCHEDULES:
+        return 1
+    return 2 if schedule == "2bw" else stages - stage
+
+
+def _coverage(actions: Schedule) -> list[str]:
+    expected = {a.microbatch for stage in actions for a in stage if a.kind.is_compute}
+    problems = []
+    for s, stage_actions in enumerate(actions):
+        for kind in (ActionKind.F, ActionKind.B):
+            missing = expected - {a.microbatch for a in stage_actions if a.kind is kind}
+            if missing:
+                problems.append(f"stage {s} never runs {kind} of microbatches {sorted(missing)}")
+    return problems
+
+
+def _gradient_delays(stage_actions: list[Action], delay: int) -> list[str]:
+    """Check every STEP of one stage against the promised gradient delay."""
+    problems = []
+    pending: dict[int, set[int]] = {}  # step -> versions its backwards computed with
+    stepped: set[int] = set()
+    for a in stage_actions:
+        if a.kind is ActionKind.B:
+            if a.step in stepped:
+                problems.append(f"{a} runs after the STEP of its step {a.step}")
+            pending.setdefault(a.step, set()).add(a.version)
+        elif a.kind is ActionKind.STEP:
+            stepped.add(a.step)
+            versions = pending.pop(a.step, set())
+            base, expected = a.version - 1, max(a.version - 1 - delay, 0)
+            if versions != {expected}:
+                found = ", ".join(f"v{v}" for v in sorted(versions)) or "no gradient"
+                problems.append(
+                    f"{a} updates v{base} with gradients from {found}; expected v{expected} "
+                    f"(a delay of {delay})"
+                )
+    problems += [
+        f"stage {stage_actions[0].stage}: backwards of step {t} are never applied by a STEP"
+        for t in sorted(pending)
+    ]
+    return problems
+
+
+def check_invariants(actions: Schedule, schedule: str) -> list[str]:
+    """All violations of ``schedule``'s invariants in ``actions`` (lowered or not); [] if none."""
+    check_schedule_name(schedule)
+    stages = len(actions)
+    problems = _coverage(actions)
+    for s, stage_actions in enumerate(actions):
+        problems += _gradient_delays(stage_actions, gradient_delay(schedule, stages, s))
+    try:
+        result = simulate(actions if is_lowered(actions) else lower(actions))
+    except ScheduleError as exc:  # deadlock or malformed
+        return [*problems, str(exc)]
+    problems += result.violations
+    for s, held in enumerate(result.weight_versions):
+        budget = version_budget(schedule, stages, s)
+        if held > budget:
+            problems.append(f"stage {s} holds {held} weight versions; {schedule} allows {budget}")
+    return problems

@@ -1,0 +1,139 @@
+"""Schedule renderers (text grid, PNG, Chrome trace) and the `nobubble schedule` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nobubble.schedules import (
+    SCHEDULE_NAMES,
+    ActionKind,
+    chrome_trace,
+    generate,
+    lower,
+    render_png,
+    render_text,
+    simulate,
+)
+from nobubble.schedules.cli import add_arguments, run
+
+
+def result_of(schedule: str, p: int = 3, m: int = 4, steps: int = 2):
+    return simulate(lower(generate(schedule, p, m, steps)))
+
+
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return run(parser.parse_args(list(argv)))
+
+
+def test_text_grid_by_hand():
+    text = render_text(result_of("gpipe", 2, 2, 1), title="gpipe P=2 M=2", width=200)
+    lines = text.splitlines()
+    assert lines[0] == "gpipe P=2 M=2"
+    # 5 characters per time unit: the widest label "F0v0" plus a space fits in F's one unit
+    assert "5 characters per time unit" in lines[1]
+    assert lines[3] == "   0         2         4         6         8"
+    assert lines[4] == "s0 F0v0 F1v0 ...............B0v0      B1v0     |"
+    assert lines[5] == "s1 .....F0v0 F1v0 B0v0      B1v0     |.........."
+
+
+def test_text_grid_wraps_to_width():
+    text = render_text(result_of("2bw", 4, 8, 3), width=80)
+    assert all(len(line) <= 80 for line in text.splitlines()[1:])
+    assert text.count("\ns0 ") > 3
+    for k in range(24):  # every microbatch's forward and backward at every stage
+        assert text.count(f"F{k}v") == 4 and text.count(f"B{k}v") == 4
+
+
+def test_png_is_written(tmp_path):
+    path = tmp_path / "schedule.png"
+    render_png([(name, result_of(name)) for name in SCHEDULE_NAMES], path)
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(data) > 20_000
+
+
+def test_trace_has_one_event_per_compute_action():
+    result = result_of("pipedream")
+    trace = json.loads(json.dumps(chrome_trace([("pipedream", result)])))
+    events = trace["traceEvents"]
+    compute = [e for e in events if e["ph"] == "X"]
+    actions = [t for stage in result.timeline for t in stage if t.action.kind.is_compute]
+    assert len(compute) == len(actions) == 2 * 3 * 8
+    assert sum(e["ph"] == "i" for e in events) == 3 * 8  # a STEP per microbatch and stage
+    first = next(e for e in compute if e["tid"] == 1)
+    assert first["name"] == "F0" and first["ts"] == 1000.0 and first["dur"] == 1000.0
+    assert first["args"] == {"microbatch": 0, "version": 0, "step": 0}
+    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {"pipedream", "stage 0", "stage 1", "stage 2"}
+
+
+def test_cli_json(capsys):
+    assert cli("--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--json") == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["schedule"] == "1f1b" and summary["steps"] == 3
+    assert summary["makespan"] == 99
+    assert summary["bubble_fraction"]["overall"] == pytest.approx(3 / 11)
+    assert summary["bubble_fraction"]["per_stage"] == pytest.approx([3 / 11] * 4)
+    assert summary["peak_activations"] == [4, 3, 2, 1]
+    assert summary["weight_versions"] == [1, 1, 1, 1]
+    assert summary["invariant_violations"] == []
+
+
+def test_cli_text_png_and_trace(tmp_path, capsys):
+    png, trace = tmp_path / "s.png", tmp_path / "s.json"
+    argv = ["--schedule", "2bw", "--stages", "2", "--microbatches", "2", "--steps", "2"]
+    assert (
+        cli(*argv, "--fwd", "1,2", "--comm", "0.5", "--png", str(png), "--trace", str(trace)) == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("2bw P=2 M=2 steps=2\n")
+    assert "invariants: all hold" in out
+    assert f"wrote PNG {png}" in out
+    assert png.stat().st_size > 10_000
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == 2 * 2 * 4
+
+
+def test_cli_all_compares_the_four(capsys):
+    assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--steps", "2") == 0
+    out = capsys.readouterr().out
+    assert out.count("s0 F0v0") == 4  # a grid per schedule
+    assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--no-grid") == 0
+    out = capsys.readouterr().out
+    assert "F0v0" not in out
+    assert "| schedule | makespan | bubble |" in out
+    assert "| 2bw | 21 | 14.3% | 0.286 | [2, 1] | [2, 2] |" in out  # 3 steps by default
+    assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--json") == 0
+    assert list(json.loads(capsys.readouterr().out)) == list(SCHEDULE_NAMES)
+
+
+def test_cli_errors(capsys):
+    assert cli("--schedule", "2bw", "--stages", "4", "--microbatches", "2") == 2
+    assert "error: 2bw needs microbatches >= stages" in capsys.readouterr().err
+    assert cli("--stages", "2", "--fwd", "1,1,1") == 2
+    assert "fwd lists 3 times" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli("--fwd", "fast")
+    assert "expected a number or comma-separated numbers" in capsys.readouterr().err
+
+
+def test_python_dash_m():
+    out = subprocess.run(
+        [sys.executable, "-m", "nobubble.schedules", "--schedule", "gpipe", "--stages", "2",
+         "--microbatches", "2", "--steps", "1", "--json"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert json.loads(out)["makespan"] == 9
+
+
+def test_step_marks_follow_stage_steps():
+    result = result_of("1f1b", 2, 2, 2)
+    steps = [t for t in result.timeline[0] if t.action.kind is ActionKind.STEP]
+    assert [t.start for t in steps] == [9, 18]
