@@ -17,9 +17,16 @@ from nobubble.simulated import DelayedTrainer
 
 def quadratic_trainer(delays: list[int], optim: str = "sgd", **overrides) -> DelayedTrainer:
     cfg = TrainConfig(
-        optim=optim, lr=0.5, momentum=0.0, nesterov=False, weight_decay=0.0, warmup_steps=0,
-        lr_schedule="constant", grad_clip=0.0, **overrides,
-    )  # fmt: skip
+        optim=optim,
+        lr=0.5,
+        momentum=0.0,
+        nesterov=False,
+        weight_decay=0.0,
+        warmup_steps=0,
+        lr_schedule="constant",
+        grad_clip=0.0,
+        **overrides,
+    )
     params = [{f"w{s}": torch.nn.Parameter(torch.ones(1, dtype=torch.float64))} for s in delays]
     named = [item for stage in params for item in stage.items()]
     optimizer = build_optimizer(named, cfg)

@@ -20,8 +20,10 @@ def config(**overrides) -> TrainConfig:
 
 def batches(mc, cfg, n=STEPS, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, mc.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
-            for _ in range(n)]  # fmt: skip
+    return [
+        torch.randint(0, mc.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
+        for _ in range(n)
+    ]
 
 
 def run_engine(cfg, mc, data):

@@ -1,3 +1,21 @@
-"""Optimizers, parameter routing, error feedback and LR schedules (placeholder registry)."""
+"""Optimizers, parameter routing, error feedback, LR schedules and gradient clipping."""
 
-OPTIMIZERS = ("adamw", "muon", "lion", "adan", "soap", "mars", "signum", "nadamw", "sgd")
+from nobubble.optim.clipping import clip_grad_norm
+from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
+from nobubble.optim.ef import ErrorFeedback
+from nobubble.optim.registry import OPTIMIZERS, build_optimizer
+from nobubble.optim.routing import Kind, classify
+from nobubble.optim.schedules import lr_at, set_lr
+
+__all__ = [
+    "OPTIMIZERS",
+    "CompositeOptimizer",
+    "ErrorFeedback",
+    "Kind",
+    "OptimizerLike",
+    "build_optimizer",
+    "classify",
+    "clip_grad_norm",
+    "lr_at",
+    "set_lr",
+]

@@ -1,0 +1,151 @@
+"""The optimizer registry: config → optimizer over any subset of named parameters.
+
+Every factory takes the param groups of :func:`nobubble.optim.routing.param_groups` (one per
+kind, each with its weight decay) and maps the config's hyperparameters onto the library's
+arguments; docs/optimizers.md lists the mapping and the reasons behind each choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nobubble.config import TrainConfig
+from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
+from nobubble.optim.ef import ErrorFeedback
+from nobubble.optim.routing import Kind, param_groups
+
+Groups = list[dict[str, Any]]
+
+# torch's NAdam warms its momentum up as β1·(1 - 0.5·0.96^(t·momentum_decay)) (Dozat); at the
+# default 4e-3 that is about β1/2 for the first thousand steps. A decay this large makes
+# 0.96^(...) underflow to 0 from step 1, so the momentum is β1 throughout, as in NAdamW.
+_CONSTANT_NADAM_MOMENTUM = 1e6
+
+
+def _adamw(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def _nadamw(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.NAdam(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        momentum_decay=_CONSTANT_NADAM_MOMENTUM,
+        decoupled_weight_decay=True,
+    )
+
+
+def _muon(groups: Groups, cfg: TrainConfig) -> CompositeOptimizer:
+    """Muon on the hidden matrices, AdamW on embeddings, head and gains; same ``lr`` for both."""
+    hidden = [g for g in groups if g["kind"] == Kind.HIDDEN]
+    rest = [g for g in groups if g["kind"] != Kind.HIDDEN]
+    parts: list[torch.optim.Optimizer] = []
+    if hidden:
+        muon = torch.optim.Muon(
+            hidden,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            adjust_lr_fn=cfg.muon_adjust_lr,
+        )
+        parts.append(muon)
+    if rest:
+        parts.append(_adamw(rest, cfg))
+    return CompositeOptimizer(parts)
+
+
+def _lion(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    from pytorch_optimizer import Lion
+
+    return Lion(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decouple=True)
+
+
+def _adan(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    from pytorch_optimizer import Adan
+
+    # weight_decouple=True: AdamW-style w·(1 - lr·wd) like every other optimizer here (the
+    # library default is the paper's proximal w/(1 + lr·wd)); max_grad_norm=0 turns off Adan's
+    # own clipping, which uses the global norm of all the parameters it was given.
+    return Adan(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2, cfg.beta3),
+        eps=cfg.eps,
+        weight_decouple=True,
+        max_grad_norm=0.0,
+    )
+
+
+def _soap(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    from pytorch_optimizer import SOAP
+
+    for group in groups:
+        if group["kind"] == Kind.EMBEDDING:
+            # Precondition only the d_model side: a vocab x vocab eigenbasis costs V² memory
+            # and an O(V³) eigendecomposition for little gain.
+            group["max_precondition_dim"] = min(min(p.shape) for _, p in group["params"])
+    return SOAP(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def _mars(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    from pytorch_optimizer import MARS
+
+    # 1-D tensors take MARS's internal AdamW at lr·(lr_1d/lr): lr_1d=lr keeps that factor 1 so
+    # set_lr scales both; they are gains, so no decay.
+    betas = (cfg.beta1, cfg.beta2)
+    return MARS(
+        groups,
+        lr=cfg.lr,
+        betas=betas,
+        lr_1d=cfg.lr,
+        betas_1d=betas,
+        weight_decay_1d=0.0,
+        eps=cfg.eps,
+    )
+
+
+def _signum(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    from pytorch_optimizer import SignSGD
+
+    return SignSGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decouple=True)
+
+
+def _sgd(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    nesterov = cfg.nesterov and cfg.momentum > 0  # torch rejects Nesterov without momentum
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
+
+
+_FACTORIES: dict[str, Callable[[Groups, TrainConfig], OptimizerLike]] = {
+    "adamw": _adamw,
+    "muon": _muon,
+    "lion": _lion,
+    "adan": _adan,
+    "soap": _soap,
+    "mars": _mars,
+    "signum": _signum,
+    "nadamw": _nadamw,
+    "sgd": _sgd,
+}
+OPTIMIZERS: tuple[str, ...] = tuple(_FACTORIES)
+
+
+def build_optimizer(
+    named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
+) -> OptimizerLike:
+    """The optimizer ``cfg.optim`` over these parameters, wrapped in error feedback if ``cfg.ef``.
+
+    Any subset (one pipeline stage's parameters) gives the same per-parameter updates as the
+    whole model: routing and every optimizer's math are per parameter.
+    """
+    if cfg.optim not in _FACTORIES:
+        raise ValueError(f"unknown optimizer {cfg.optim!r}; choose one of: {', '.join(OPTIMIZERS)}")
+    groups = param_groups(named_params, cfg)
+    if not groups:
+        raise ValueError("build_optimizer got no trainable parameters")
+    optimizer = _FACTORIES[cfg.optim](groups, cfg)
+    return ErrorFeedback(optimizer, cfg.ef_gamma) if cfg.ef else optimizer

@@ -1,0 +1,79 @@
+"""Running nobubble as a user would (CLI, torchrun) and reading what the runs wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from nobubble.checkpoint import newest_weights
+
+# A model and data small enough for 4 processes on 2 cores, big enough to have 4 blocks.
+SMALL = [
+    "d_model=32",
+    "n_layers=4",
+    "n_heads=4",
+    "n_kv_heads=2",
+    "d_ff=64",
+    "seq_len=32",
+    "batch_size=8",
+    "eval_batches=1",
+    "threads=1",
+    "lr=3e-3",
+    "warmup_steps=2",
+]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def nobubble(out: Path, *args: str, stages: int = 0, timeout: int = 300, check: bool = True):
+    """``nobubble train`` in one process, or under torchrun with ``stages`` processes."""
+    if stages:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={stages}",
+            "-m",
+            "nobubble",
+        ]
+    else:
+        launcher = [sys.executable, "-m", "nobubble"]
+    command = [*launcher, "train", "--no-progress", "--out", str(out), *SMALL, *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env())
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run: Path) -> tuple[list[float], list[float]]:
+    rows = metrics(run)
+    return [r["train_loss"] for r in rows if "train_loss" in r], [
+        r["val_loss"] for r in rows if "val_loss" in r
+    ]
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    newest = sorted((run / "checkpoints").glob("step_*"))[-1]
+    return newest_weights(newest)
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Same loss trajectory and final weights, bit for bit."""
+    assert losses(a) == losses(b)
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        gap = (wa[name] - wb[name]).abs().max()
+        assert torch.equal(wa[name], wb[name]), f"{name} differs by {gap}"
