@@ -10,6 +10,7 @@ state unchanged). The training loop aborts after ``nonfinite_patience`` such ste
 from __future__ import annotations
 
 import math
+import resource
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -59,6 +60,9 @@ class Engine(Protocol):
 
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None: ...
 
+    def stage_reports(self) -> list[dict[str, float]] | None:
+        """Per-stage idle time and memory of a pipeline, on rank 0 (collective); else None."""
+
 
 def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, bool]:
     """Clip one stage's gradients; drop them if non-finite so the optimizer skips the stage.
@@ -72,6 +76,13 @@ def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[f
     for p in params:
         p.grad = None
     return norm, False
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak CUDA memory allocated by tensors, or on the CPU the process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def combined_norm(norms: Iterable[float]) -> float:

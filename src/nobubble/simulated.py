@@ -153,6 +153,9 @@ class SimulatedEngine:
     def barrier(self) -> None:
         """Nothing to wait for in one process."""
 
+    def stage_reports(self) -> None:
+        """No stages run apart in one process."""
+
     def micro_loss(self, weights: Weights, micro: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.cfg.dtype):
             logits = functional_call(self.model, weights, (micro[:, :-1],))

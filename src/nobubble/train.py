@@ -7,7 +7,6 @@ a pipeline only drains where something needs the newest weights of every stage.
 from __future__ import annotations
 
 import math
-import resource
 import shutil
 import time
 import warnings
@@ -19,7 +18,7 @@ from tqdm import tqdm
 from nobubble.checkpoint import checkpoint_name, prune, publish, staging_dir, write_shard
 from nobubble.config import TrainConfig
 from nobubble.data import DataBundle, build_data
-from nobubble.engine import Engine, StepStats
+from nobubble.engine import Engine, StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.model import model_config
 from nobubble.runfolder import RunFolder
@@ -41,12 +40,6 @@ def configure_torch(cfg: TrainConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def boundaries(cfg: TrainConfig, start: int) -> tuple[list[int], set[int], set[int]]:
@@ -188,6 +181,7 @@ def run_training(
                 save_checkpoint(run.checkpoints, engine, data, cfg)
     finally:
         log.close()
+    stages = engine.stage_reports()
     if not leader:
         return None
     val_loss, val_bpb = log.last_eval or (float("nan"), float("nan"))
@@ -200,6 +194,8 @@ def run_training(
         "steps": engine.step,
         "peak_mem_mb": peak_memory_mb(engine.device),
     }
+    if stages:
+        summary["stages"] = stages
     run.write_summary(summary)
     return summary
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class Messenger:
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.waited_s = 0.0  # time blocked on peers: the stage's idle time
 
     def send(self, tensor: torch.Tensor, peer: int, channel: Channel, sequence: int) -> None:
         tensor = tensor.detach().contiguous()
@@ -68,14 +70,19 @@ class Messenger:
         return PendingRecv(buffer, work, peer, what)
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
+        started = time.perf_counter()
         try:
             pending.work.wait(self.timeout)
+            if pending.buffer.is_cuda:  # make the wait cover the transfer, as on the CPU
+                torch.cuda.current_stream().synchronize()
         except RuntimeError as exc:
             raise PeerTimeout(
                 f"stage {self.rank} waited more than {self.timeout.total_seconds():.0f}s for "
                 f"{pending.what} from stage {pending.peer}; that stage is stuck or died (see its "
                 f"log). Raise p2p_timeout_s if it is just slow. ({exc})"
             ) from None
+        finally:
+            self.waited_s += time.perf_counter() - started
         return pending.buffer
 
     def recv(self, *args, **kwargs) -> torch.Tensor:
@@ -83,7 +90,15 @@ class Messenger:
 
     def drain(self) -> None:
         """Wait for every send of this rank to be received."""
-        for work, _ in self.sends:
-            if not work.wait(self.timeout):
-                raise PeerTimeout(f"stage {self.rank}: a send was not received in time")
+        started = time.perf_counter()
+        try:
+            for work, _ in self.sends:
+                work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerTimeout(
+                f"stage {self.rank}: a message it sent was not received within "
+                f"{self.timeout.total_seconds():.0f}s; the receiving stage is stuck or died ({exc})"
+            ) from None
+        finally:
+            self.waited_s += time.perf_counter() - started
         self.sends.clear()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.func import functional_call
 
 from nobubble.config import TrainConfig
 from nobubble.delay import gradient_version, stage_delays
-from nobubble.engine import StepStats, clip_stage
+from nobubble.engine import StepStats, clip_stage, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.model import ModelConfig, Stage, lm_loss, partition
 from nobubble.optim import build_optimizer, lr_at, set_lr
@@ -87,6 +88,8 @@ class PipelineEngine:
         self.eval_sequence = 0
         self.step = 0
         self.micro_per_step = 1 if cfg.schedule == "pipedream" else cfg.microbatches
+        self.train_wall_s = self.train_idle_s = 0.0
+        self.versions_peak = 1
 
     def barrier(self) -> None:
         dist.barrier()
@@ -101,10 +104,13 @@ class PipelineEngine:
     ) -> None:
         actions = segment_actions(self.cfg, self.rank, self.step, stop, self.delay)
         run = _Segment(self, next_batch, on_step)
+        started, waited = time.perf_counter(), self.messenger.waited_s
         for index, action in enumerate(actions):
             run.post_receives(actions, index)
             run.execute(action)
         self.messenger.drain()
+        self.train_wall_s += time.perf_counter() - started
+        self.train_idle_s += self.messenger.waited_s - waited
 
     def apply_step(self, step: int) -> tuple[float, bool, float]:
         """The STEP action: gradient -> clip -> optimizer on the newest version."""
@@ -112,12 +118,30 @@ class PipelineEngine:
         norm, ok = clip_stage(self.store.params.values(), self.cfg.grad_clip)
         self.store.release_older_than(gradient_version(step + 1, self.delay))
         self.store.begin_step(still_needed=self.delay > 0)
+        self.versions_peak = max(self.versions_peak, len(self.store.held()))
         lr = lr_at(step, self.cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step + 1
         return norm, ok, lr
+
+    def stage_reports(self) -> list[dict[str, float]] | None:
+        """Every stage's idle time and memory, gathered on rank 0 (a collective call)."""
+        param_mb = sum(p.numel() * p.element_size() for p in self.store.params.values()) / 2**20
+        report = {
+            "stage": self.rank,
+            "blocks": len(self.spec.blocks),
+            "train_wall_s": self.train_wall_s,
+            "idle_s": self.train_idle_s,
+            "idle_fraction": self.train_idle_s / self.train_wall_s if self.train_wall_s else 0.0,
+            "peak_mem_mb": peak_memory_mb(self.device),
+            "param_mb": param_mb,
+            "weight_versions_peak": self.versions_peak,
+        }
+        reports = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(report, reports, dst=0)
+        return reports
 
     # -- evaluation -----------------------------------------------------------------------------
 
