@@ -166,8 +166,9 @@ class SimulatedEngine:
         stop: int,
         next_batch: Callable[[], torch.Tensor],
         on_step: Callable[[StepStats], None],
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
-        while self.step < stop:
+        while self.step < stop and not should_stop():
             batch = next_batch().to(self.device)
             on_step(self.trainer.train_step(batch.chunk(self.cfg.microbatches)))
 

@@ -8,19 +8,32 @@ from __future__ import annotations
 
 import math
 import shutil
+import signal
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from nobubble.checkpoint import checkpoint_name, prune, publish, staging_dir, write_shard
+from nobubble.checkpoint import (
+    CheckpointError,
+    checkpoint_name,
+    load_shard,
+    prune,
+    publish,
+    sha256,
+    staging_dir,
+    write_shard,
+)
 from nobubble.config import TrainConfig
 from nobubble.data import DataBundle, build_data
 from nobubble.engine import Engine, StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
+from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model import model_config
+from nobubble.resume import open_run
 from nobubble.runfolder import RunFolder
 
 
@@ -140,27 +153,68 @@ class StepLogger:
         self.bar.close()
 
 
-def save_checkpoint(root: Path, engine: Engine, data: DataBundle | None, cfg: TrainConfig) -> None:
+def tokenizer_digest(run: RunFolder) -> str | None:
+    path = run.path / "tokenizer.json"
+    return sha256(path) if path.is_file() else None
+
+
+def save_checkpoint(
+    run: RunFolder, engine: Engine, data: DataBundle | None, cfg: TrainConfig
+) -> None:
     """Every rank writes its shard; rank 0 seals the checkpoint once all are written."""
-    staging = staging_dir(root, engine.step)
-    meta = {"step": engine.step, "data": data.train.state_dict() if data else None}
-    meta["config"] = cfg.to_dict()
-    write_shard(staging, engine.rank, engine.checkpoint_tensors(), engine.checkpoint_state(), meta)
+    root = run.checkpoints
+    state = {"engine": engine.checkpoint_state(), "torch_rng": torch.get_rng_state()}
+    meta = {
+        "step": engine.step,
+        "data": data.train.state_dict() if data else None,
+        "tokenizer_sha256": tokenizer_digest(run),
+        "config": cfg.to_dict(),
+    }
+    write_shard(
+        staging_dir(root, engine.step), engine.rank, engine.checkpoint_tensors(), state, meta
+    )
     engine.barrier()
     if engine.rank == 0:
-        publish(staging, root / checkpoint_name(engine.step), engine.step, engine.world)
+        publish(
+            staging_dir(root, engine.step),
+            root / checkpoint_name(engine.step),
+            engine.step,
+            engine.world,
+        )
         prune(root, cfg.keep_checkpoints)
     engine.barrier()
 
 
+def restore_checkpoint(
+    folder: Path, run: RunFolder, engine: Engine, data: DataBundle | None
+) -> None:
+    """Load this rank's shard of a verified checkpoint into the engine and the data position."""
+    tensors, state, meta = load_shard(folder, engine.rank)
+    if meta.get("tokenizer_sha256") != tokenizer_digest(run):
+        raise CheckpointError(
+            f"{run.path / 'tokenizer.json'} is not the tokenizer {folder} was trained with; "
+            "restore the run's original tokenizer.json"
+        )
+    engine.restore(tensors, state["engine"])
+    torch.set_rng_state(state["torch_rng"])
+    if data is not None:
+        data.train.load_state_dict(meta["data"])
+
+
 def run_training(
-    cfg: TrainConfig, run: RunFolder, data: DataBundle | None, engine: Engine
+    cfg: TrainConfig,
+    run: RunFolder,
+    data: DataBundle | None,
+    engine: Engine,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> dict | None:
     """Train ``engine`` to ``cfg.steps``; rank 0 logs and returns the summary (others: None).
 
-    ``data`` is None on pipeline stages that need no data (neither first nor last).
+    ``data`` is None on pipeline stages that need no data (neither first nor last). When
+    ``should_stop`` turns true the engine stops after the step in flight, a checkpoint is saved
+    and :class:`Interrupted` is raised.
     """
-    started = time.perf_counter()
+    started, resumed_at = time.perf_counter(), engine.step
     leader = engine.rank == 0
     token_bytes = data.tokenizer.token_bytes() if data else None
     next_batch = data.train.next_batch if data else None
@@ -172,13 +226,23 @@ def run_training(
             log.on_eval(0, engine.evaluate(val, token_bytes))
         for stop in stops:
             log.begin_segment()
-            engine.run_steps(stop, next_batch, log.on_step)
+            engine.run_steps(stop, next_batch, log.on_step, should_stop)
             log.end_segment()
+            if engine.step < stop:  # a stop was requested: keep what was done, then leave
+                log.flush()
+                save_checkpoint(run, engine, data, cfg)
+                raise Interrupted(
+                    getattr(should_stop, "signum", None) or signal.SIGTERM,
+                    f"stopped at step {engine.step} and saved a checkpoint; continue with: "
+                    f"nobubble train --resume {run.path}",
+                )
             if stop in evals:
                 log.on_eval(stop, engine.evaluate(val, token_bytes))
             log.flush()
             if stop in saves:
-                save_checkpoint(run.checkpoints, engine, data, cfg)
+                save_checkpoint(run, engine, data, cfg)
+        if not stops:  # resumed at the very end: evaluate once more for the summary
+            log.on_eval(engine.step, engine.evaluate(val, token_bytes))
     finally:
         log.close()
     stages = engine.stage_reports()
@@ -194,26 +258,34 @@ def run_training(
         "steps": engine.step,
         "peak_mem_mb": peak_memory_mb(engine.device),
     }
+    if resumed_at:
+        summary["resumed_at_step"] = resumed_at
     if stages:
         summary["stages"] = stages
     run.write_summary(summary)
     return summary
 
 
-def train(cfg: TrainConfig, overwrite: bool = False) -> Path:
+def train(
+    cfg: TrainConfig, overwrite: bool = False, resume: bool = False, auto_resume: bool = False
+) -> Path:
     """Train in this process (the simulator of ``cfg.schedule``); return the run folder."""
     from nobubble.simulated import SimulatedEngine
 
     configure_torch(cfg)
     device = resolve_device(cfg.device)
-    run = RunFolder.create(cfg, overwrite=overwrite)
+    run, checkpoint = open_run(cfg, overwrite, resume, auto_resume)
     try:
         data = build_data(cfg, run.path)
         mc = model_config(cfg, data.tokenizer.vocab_size)
         engine = SimulatedEngine(cfg, mc, device)
+        if checkpoint is not None:
+            restore_checkpoint(checkpoint, run, engine, data)
     except BaseException:
-        shutil.rmtree(run.path)  # nothing was trained: leave no half-made run behind
+        if checkpoint is None:
+            shutil.rmtree(run.path)  # nothing was trained: leave no half-made run behind
         raise
-    print(f"run folder: {run.path}")
-    run_training(cfg, run, data, engine)
+    print(f"run folder: {run.path}" + (f" (resuming {checkpoint.name})" if checkpoint else ""))
+    with stop_on_signals() as stop:
+        run_training(cfg, run, data, engine, stop)
     return run.path

@@ -23,6 +23,7 @@ class Channel(enum.IntEnum):
     STATS = 2
     EVAL_ACTIVATION = 3
     EVAL_SUMS = 4
+    CONTROL = 5
 
 
 def tag(channel: Channel, sequence: int) -> int:
@@ -77,9 +78,9 @@ class Messenger:
                 torch.cuda.current_stream().synchronize()
         except RuntimeError as exc:
             raise PeerTimeout(
-                f"stage {self.rank} waited more than {self.timeout.total_seconds():.0f}s for "
-                f"{pending.what} from stage {pending.peer}; that stage is stuck or died (see its "
-                f"log). Raise p2p_timeout_s if it is just slow. ({exc})"
+                f"stage {self.rank} gave up waiting for {pending.what} from stage {pending.peer} "
+                f"(limit {self.timeout.total_seconds():.0f}s): that stage is stuck or died, see "
+                f"its log; raise p2p_timeout_s if it is only slow. Transport said: {exc}"
             ) from None
         finally:
             self.waited_s += time.perf_counter() - started

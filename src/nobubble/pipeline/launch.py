@@ -16,9 +16,11 @@ import torch.distributed as dist
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle, build_data
+from nobubble.interrupt import stop_on_signals
 from nobubble.model import model_config
+from nobubble.resume import open_run
 from nobubble.runfolder import RunFolder
-from nobubble.train import configure_torch, resolve_device, run_training
+from nobubble.train import configure_torch, resolve_device, restore_checkpoint, run_training
 
 
 def launched_by_torchrun() -> bool:
@@ -51,8 +53,37 @@ def _device(cfg: TrainConfig) -> tuple[torch.device, str]:
     return device, "gloo"
 
 
-def train_pipeline(cfg: TrainConfig, overwrite: bool = False) -> Path:
-    """Run this process's stage of the pipeline to the end; return the run folder."""
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this torchrun attempt.
+
+    After a restart (``--max-restarts``), torch 2.13's default env:// store hands the new workers
+    the previous attempt's gloo addresses and the connection fails; a prefix per attempt avoids
+    that. Under torchrun the agent hosts the store; under other launchers rank 0 does.
+    """
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_hosts_it,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"nobubble/attempt_{attempt}/", store)
+
+
+def restarted_by_torchrun() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def train_pipeline(
+    cfg: TrainConfig, overwrite: bool = False, resume: bool = False, auto_resume: bool = False
+) -> Path:
+    """Run this process's stage of the pipeline to the end; return the run folder.
+
+    After a torchrun restart (``--max-restarts``) the run resumes from its newest valid
+    checkpoint by itself.
+    """
     from nobubble.pipeline.runtime import PipelineEngine
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -61,13 +92,20 @@ def train_pipeline(cfg: TrainConfig, overwrite: bool = False) -> Path:
     device, backend = _device(cfg)
     timeout = datetime.timedelta(seconds=cfg.p2p_timeout_s)
     dist.init_process_group(
-        backend, timeout=timeout, device_id=device if backend == "nccl" else None
+        backend,
+        store=attempt_store(rank, world, timeout),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=device if backend == "nccl" else None,
     )
+    auto_resume = auto_resume or restarted_by_torchrun()
     try:
-        run_path = Path(
-            _broadcast(str(RunFolder.create(cfg, overwrite).path) if rank == 0 else None)
+        opened = open_run(cfg, overwrite, resume, auto_resume) if rank == 0 else None
+        path, checkpoint = _broadcast(
+            (str(opened[0].path), opened[1] and str(opened[1])) if opened else None
         )
-        run = RunFolder(run_path)
+        run, checkpoint = RunFolder(Path(path)), checkpoint and Path(checkpoint)
         data: DataBundle | None = None
         try:
             if rank == 0:
@@ -77,14 +115,18 @@ def train_pipeline(cfg: TrainConfig, overwrite: bool = False) -> Path:
                 data = build_data(cfg, run.path)
             vocab, val_batches = shape
             engine = PipelineEngine(cfg, model_config(cfg, vocab), device, val_batches)
+            if checkpoint is not None:
+                restore_checkpoint(checkpoint, run, engine, data)
         except BaseException:
-            if rank == 0:
+            if rank == 0 and checkpoint is None:
                 shutil.rmtree(run.path, ignore_errors=True)
             raise
         if rank == 0:
-            print(f"run folder: {run.path}")
+            resuming = f" (resuming {checkpoint.name})" if checkpoint else ""
+            print(f"run folder: {run.path}{resuming}", flush=True)
         dist.barrier()
-        run_training(cfg, run, data, engine)
+        with stop_on_signals(announce=rank == 0) as stop:
+            run_training(cfg, run, data, engine, stop)
         return run.path
     finally:
         dist.destroy_process_group()

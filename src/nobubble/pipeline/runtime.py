@@ -101,13 +101,27 @@ class PipelineEngine:
         stop: int,
         next_batch: Callable[[], torch.Tensor] | None,
         on_step: Callable[[StepStats], None],
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
+        """Run this stage's actions for steps [self.step, stop), or fewer if a stop is requested.
+
+        Before its first action of a step, every stage learns from rank 0 whether the step runs
+        (rank 0 is the first to touch any step, so nobody waits for that answer). If it does
+        not, every stage drops the actions of that and later steps: what remains is exactly the
+        schedule of the shorter run, cool-down included.
+        """
         actions = segment_actions(self.cfg, self.rank, self.step, stop, self.delay)
         run = _Segment(self, next_batch, on_step)
         started, waited = time.perf_counter(), self.messenger.waited_s
-        for index, action in enumerate(actions):
+        index = 0
+        while index < len(actions):
+            action = actions[index]
+            if action.step > run.cleared and not run.clear(action.step, should_stop):
+                actions = actions[:index] + [a for a in actions[index:] if a.step < action.step]
+                continue
             run.post_receives(actions, index)
             run.execute(action)
+            index += 1
         self.messenger.drain()
         self.train_wall_s += time.perf_counter() - started
         self.train_idle_s += self.messenger.waited_s - waited
@@ -237,10 +251,37 @@ class _Segment:
         self.input_grads: dict[int, torch.Tensor] = {}
         self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
         self.losses: dict[int, float] = {}
+        self.cleared = engine.step - 1  # the last step known to run
+
+    def clear(self, step: int, should_stop: Callable[[], bool]) -> bool:
+        """Whether ``step`` runs: rank 0 decides and tells every other stage."""
+        e = self.e
+        if e.rank == 0:
+            go = not should_stop()
+            flag = torch.tensor([1.0 if go else 0.0], device=e.device)
+            for peer in range(1, e.world):
+                e.messenger.send(flag, peer, Channel.CONTROL, step)
+        else:
+            go = bool(
+                e.messenger.recv(
+                    (1,),
+                    torch.float32,
+                    e.device,
+                    0,
+                    Channel.CONTROL,
+                    step,
+                    f"the go-ahead for step {step}",
+                ).item()
+            )
+        if go:
+            self.cleared = step
+        return go
 
     def post_receives(self, actions: list[Action], index: int) -> None:
         for action in actions[index : index + RECV_AHEAD]:
             key = (action.kind, action.microbatch)
+            if action.step > self.cleared:
+                break
             if action.kind in RECV_CHANNELS and key not in self.recvs:
                 what = "activation" if action.kind is ActionKind.RECV_ACT else "gradient"
                 self.recvs[key] = self.e.messenger.post_recv(

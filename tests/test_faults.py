@@ -1,0 +1,212 @@
+"""Faults in real processes: signals, a killed stage under torchrun, stuck peers, bad steps."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.pipeline_helpers import SMALL, assert_same_run, env, nobubble
+
+pytestmark = pytest.mark.slow
+
+# Long enough (a few seconds) that a signal lands in the middle of training.
+LONG = ["steps=150", "batch_size=32", "eval_every=50", "checkpoint_every=20", "keep_checkpoints=10"]
+PIPE = ["schedule=2bw", "ef=true", "stages=2", "microbatches=2"]
+
+
+@pytest.fixture(autouse=True)
+def reap_process_groups():
+    """Kill whatever a failed test left running (each launch has its own process group)."""
+    yield
+    for proc in LAUNCHED:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    LAUNCHED.clear()
+
+
+LAUNCHED: list[subprocess.Popen] = []
+
+
+def launch(out: Path, *args: str, stages: int = 0, torchrun_args: tuple[str, ...] = ()):
+    if stages:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={stages}",
+            *torchrun_args,
+            "-m",
+            "nobubble",
+        ]
+    else:
+        launcher = [sys.executable, "-m", "nobubble"]
+    command = [*launcher, "train", "--no-progress", "--out", str(out), *SMALL, *args]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+        start_new_session=True,
+    )
+    LAUNCHED.append(proc)
+    return proc
+
+
+def wait_until(condition, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the run to get there")
+        time.sleep(0.05)
+
+
+def steps_logged(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return max((r["step"] for r in lines if "train_loss" in r), default=0)
+
+
+def workers_of(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the torchrun workers below ``launcher_pid``."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid != launcher_pid:
+            continue
+        for item in environ:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = int(proc.name)
+    return found
+
+
+@pytest.mark.parametrize("stages", [0, 2])
+def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages):
+    settings = [*LONG, *(PIPE if stages else ["schedule=2bw", "ef=true", "microbatches=2"])]
+    proc = launch(tmp_path / "cut", *settings, stages=stages)
+    wait_until(lambda: steps_logged(tmp_path / "cut") >= 25)
+    os.kill(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output
+    assert "saved a checkpoint; continue with: nobubble train --resume" in output
+    stopped = steps_logged(tmp_path / "cut")
+    assert stopped < 150
+    assert (tmp_path / "cut" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
+
+    resumed = [sys.executable, "-m", "nobubble", "train", "--no-progress", "--resume"]
+    if stages:
+        resumed[1:3] = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={stages}",
+            "-m",
+            "nobubble",
+        ]
+    done = subprocess.run(
+        [*resumed, str(tmp_path / "cut")], capture_output=True, text=True, env=env(), timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    nobubble(tmp_path / "full", *settings, stages=stages)
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+
+
+def test_a_killed_stage_restarts_and_finishes_with_the_same_weights(tmp_path):
+    settings = [*LONG, *PIPE]
+    proc = launch(tmp_path / "cut", *settings, stages=2, torchrun_args=("--max-restarts=1",))
+    wait_until(lambda: any((tmp_path / "cut" / "checkpoints").glob("step_*/manifest.json")))
+    workers = workers_of(proc.pid)
+    assert set(workers) == {0, 1}, workers
+    os.kill(workers[1], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert "resuming step_" in output
+    nobubble(tmp_path / "full", *settings, stages=2)
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+
+
+@pytest.mark.parametrize("stages", [0, 2])
+def test_non_finite_gradients_abort_after_the_patience(tmp_path, stages):
+    settings = ["lr=1e30", "grad_clip=0", "warmup_steps=0", "steps=20", "nonfinite_patience=3"]
+    if stages:
+        settings += ["stages=2", "schedule=1f1b", "microbatches=2"]
+    result = nobubble(tmp_path / "r", *settings, stages=stages, check=False)
+    assert result.returncode != 0
+    assert "steps in a row had non-finite gradients" in result.stdout + result.stderr
+    text = (tmp_path / "r" / "metrics.jsonl").read_text()
+    lines = [json.loads(line) for line in text.splitlines()]
+    skipped = [r["step"] for r in lines if r.get("skipped_stages")]
+    assert len(skipped) >= 2  # the steps that went bad were skipped and logged
+
+
+def test_a_world_size_that_does_not_match_the_stages_fails_before_any_work(tmp_path):
+    result = nobubble(tmp_path / "r", "stages=3", stages=2, check=False)
+    assert result.returncode != 0
+    assert "torchrun started 2 processes but the config asks for stages=3" in result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def _silent_peer(rank: int, port: int, results) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from nobubble.pipeline.comm import Channel, Messenger, PeerTimeout
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    if rank == 0:
+        messenger = Messenger(rank, timeout_s=1.0)
+        try:
+            messenger.recv(
+                (2,),
+                torch.float32,
+                torch.device("cpu"),
+                1,
+                Channel.GRADIENT,
+                7,
+                "the gradient of microbatch 7 (step 3)",
+            )
+        except PeerTimeout as exc:
+            results.put(str(exc))
+    else:
+        time.sleep(4)  # alive but never sends
+    dist.destroy_process_group()
+
+
+def test_a_stage_that_waits_too_long_names_the_peer_and_the_message():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_silent_peer, args=(port, results), nprocs=2, start_method="spawn")
+    message = results.get()
+    expected = "stage 0 gave up waiting for the gradient of microbatch 7 (step 3) from stage 1"
+    assert expected in message
+    assert "p2p_timeout_s" in message

@@ -1,0 +1,149 @@
+"""Checkpoints and exact resume in one process: interrupted + resumed == uninterrupted."""
+
+import json
+import shutil
+
+import pytest
+
+from nobubble.checkpoint import verify_checkpoint
+from nobubble.cli import main
+from tests.pipeline_helpers import SMALL, assert_same_run, metrics
+
+
+def train(out, *args: str) -> int:
+    return main(["train", "--no-progress", "--out", str(out), *SMALL, *args])
+
+
+def resume(run, *args: str) -> int:
+    return main(["train", "--no-progress", "--resume", str(run), *args])
+
+
+def cut_back_to(run, step: int) -> None:
+    """Make ``run`` look like it died right after saving the checkpoint of ``step``."""
+    for folder in (run / "checkpoints").glob("step_*"):
+        if int(folder.name.split("_")[1]) > step:
+            shutil.rmtree(folder)
+    (run / "summary.json").unlink()
+    with open(run / "metrics.jsonl", "a") as fh:  # lines written after the checkpoint
+        fh.write(json.dumps({"step": step + 1, "train_loss": 0.0}) + "\n")
+
+
+RUNS = {
+    "sync": ["schedule=sync"],
+    "2bw+ef": ["schedule=2bw", "ef=true", "microbatches=2"],
+    "pipedream": ["schedule=pipedream", "stages=3", "optim=muon"],
+}
+
+
+@pytest.mark.parametrize("kind", RUNS)
+def test_resume_is_identical_to_an_uninterrupted_run(tmp_path, kind):
+    settings = [*RUNS[kind], "steps=10", "eval_every=5", "checkpoint_every=3", "keep_checkpoints=5"]
+    assert train(tmp_path / "full", *settings) == 0
+    assert train(tmp_path / "cut", *settings) == 0
+    cut_back_to(tmp_path / "cut", 6)
+    assert resume(tmp_path / "cut") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+    assert json.loads((tmp_path / "cut" / "summary.json").read_text())["resumed_at_step"] == 6
+
+
+def test_checkpoints_are_kept_pruned_and_verified(tmp_path):
+    assert train(tmp_path / "r", "steps=7", "checkpoint_every=2", "keep_checkpoints=2") == 0
+    folders = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
+    assert folders == ["step_000006", "step_000007"]
+    manifest = verify_checkpoint(tmp_path / "r" / "checkpoints" / "step_000007")
+    assert set(manifest["files"]) == {
+        "shard_0/weights.safetensors",
+        "shard_0/state.pt",
+        "shard_0/meta.json",
+    }
+
+
+def test_2bw_checkpoint_holds_both_weight_versions(tmp_path):
+    from safetensors import safe_open
+
+    assert train(tmp_path / "r", "schedule=2bw", "steps=4", "microbatches=2") == 0
+    path = tmp_path / "r" / "checkpoints" / "step_000004" / "shard_0" / "weights.safetensors"
+    with safe_open(path, "pt") as f:
+        versions = {key.split("/")[0] for key in f.keys()}  # noqa: SIM118
+    assert versions == {"v3", "v4"}
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest"])
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
+    settings = ["steps=8", "checkpoint_every=3", "keep_checkpoints=3", "schedule=2bw"]
+    assert train(tmp_path / "full", *settings) == 0
+    assert train(tmp_path / "cut", *settings) == 0
+    cut_back_to(tmp_path / "cut", 6)
+    newest = tmp_path / "cut" / "checkpoints" / "step_000006"
+    weights = newest / "shard_0" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif damage == "truncate":
+        weights.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        (newest / "manifest.json").unlink()
+    with pytest.warns(UserWarning, match="falling back to an older checkpoint"):
+        assert resume(tmp_path / "cut") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "cut")  # replayed from step 3
+
+
+def test_resume_refuses_changes_that_make_another_run(tmp_path, capsys):
+    assert train(tmp_path / "r", "steps=4") == 0
+    for change, field in [
+        ("d_model=64", "d_model"),
+        ("schedule=2bw", "schedule"),
+        ("tokenizer=bpe", "tokenizer"),
+        ("optim=muon", "optim"),
+    ]:
+        assert resume(tmp_path / "r", change) == 2
+        err = capsys.readouterr().err
+        assert f"cannot continue {tmp_path / 'r'} with {field}=" in err
+        assert "Traceback" not in err
+
+
+def test_resume_may_extend_the_run(tmp_path):
+    assert train(tmp_path / "r", "steps=4", "lr_schedule=constant") == 0
+    assert resume(tmp_path / "r", "steps=6", "eval_every=2") == 0
+    rows = metrics(tmp_path / "r")
+    assert [r["step"] for r in rows if "train_loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 6
+
+
+def test_resume_detects_a_changed_tokenizer(tmp_path, capsys):
+    assert train(tmp_path / "r", "steps=3", "tokenizer=bpe", "bpe_vocab_size=300") == 0
+    tokenizer = tmp_path / "r" / "tokenizer.json"
+    spec = json.loads(tokenizer.read_text())
+    spec["model"]["vocab"]["zzz"] = 299
+    tokenizer.write_text(json.dumps(spec))
+    assert resume(tmp_path / "r", "steps=4") == 2
+    assert "is not the tokenizer" in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_says_so(tmp_path, capsys):
+    assert train(tmp_path / "r", "steps=3") == 0
+    shutil.rmtree(tmp_path / "r" / "checkpoints")
+    assert resume(tmp_path / "r") == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+def test_a_folder_holding_another_run_is_left_alone(tmp_path, capsys):
+    assert train(tmp_path / "r", "steps=3") == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    assert train(tmp_path / "r", "steps=3", "lr=1e-3") == 2
+    assert "already holds files" in capsys.readouterr().err
+    assert before == {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    assert train(tmp_path / "r", "steps=2", "--overwrite") == 0
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
+
+
+def test_auto_resume_continues_the_same_run_and_refuses_another(tmp_path, capsys):
+    settings = ["steps=6", "checkpoint_every=2", "keep_checkpoints=5"]
+    assert train(tmp_path / "full", *settings) == 0
+    assert train(tmp_path / "cut", *settings) == 0
+    cut_back_to(tmp_path / "cut", 4)
+    assert train(tmp_path / "cut", *settings, "--auto-resume") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+    assert train(tmp_path / "cut", *settings, "lr=1e-2", "--auto-resume") == 2
+    assert "cannot continue" in capsys.readouterr().err
