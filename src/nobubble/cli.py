@@ -10,6 +10,7 @@ import argparse
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 from nobubble.config import (
     FIELDS,
@@ -56,24 +57,38 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """defaults < --config file < flags < key=value overrides."""
+def config_layers(args: argparse.Namespace) -> list[dict]:
+    """--config file < flags < key=value overrides (each a dict of only what was given)."""
     base = load_toml(args.config) if args.config else {}
     flags = {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
-    return build_config(base, flags, parse_overrides(args.overrides))
+    return [base, flags, parse_overrides(args.overrides)]
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return build_config(*config_layers(args))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from nobubble.interrupt import Interrupted
     from nobubble.pipeline.launch import launched_by_torchrun, train_pipeline
+    from nobubble.resume import resumed_config
     from nobubble.train import train
 
-    cfg = config_from_args(args)
+    if args.resume:
+        cfg = resumed_config(Path(args.resume), *config_layers(args))
+    else:
+        cfg = config_from_args(args)
     run = train_pipeline if launched_by_torchrun() else train
-    run(cfg, overwrite=args.overwrite)
+    try:
+        run(cfg, args.overwrite, resume=bool(args.resume), auto_resume=args.auto_resume)
+    except Interrupted as stop:
+        print(f"nobubble: {stop}", file=sys.stderr)
+        return 128 + stop.signum
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nobubble import report, sweep
     from nobubble.schedules import cli as schedule_cli
 
     parser = argparse.ArgumentParser(
@@ -88,11 +103,27 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument(
         "--overwrite", action="store_true", help="replace the run folder if it already holds files"
     )
+    train_parser.add_argument(
+        "--resume",
+        metavar="RUN_FOLDER",
+        help="continue a run from its newest valid checkpoint (flags may change only safe keys)",
+    )
+    train_parser.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="with --out: resume that run if it has a checkpoint, else start it (for restarts)",
+    )
     train_parser.set_defaults(func=cmd_train)
 
-    schedule_parser = commands.add_parser("schedule", help="simulate and draw a pipeline schedule")
-    schedule_cli.add_arguments(schedule_parser)
-    schedule_parser.set_defaults(func=schedule_cli.run)
+    tools = (
+        ("schedule", schedule_cli, "simulate and draw a pipeline schedule"),
+        ("sweep", sweep, "train every run of a grid, N at a time (resumable)"),
+        ("report", report, "tables and plots from run folders"),
+    )
+    for name, module, help_text in tools:
+        sub = commands.add_parser(name, help=help_text)
+        module.add_arguments(sub)
+        sub.set_defaults(func=module.run)
     return parser
 
 

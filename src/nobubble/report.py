@@ -1,0 +1,142 @@
+"""``nobubble report RUN_FOLDERS... [--out DIR]``: tables and plots from finished runs.
+
+Unfinished run folders (no summary.json) are skipped with a warning, so a report can be drawn
+while a sweep is still running; a path that is not a run folder and holds none is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from nobubble.config import FIELDS, unknown_key_error
+from nobubble.reporting.groups import CLEAR_GAP_SE, Comparison, Group, compare, group_runs
+from nobubble.reporting.runs import ReportError, discover, matches, parse_filter
+from nobubble.reporting.table import quality_table, target_table
+from nobubble.reporting.target import target_rows
+
+QUALITY_NOTE = f"""Final validation loss (mean token cross-entropy) and bits per byte: mean ± \
+standard deviation over seeds. *gap vs sync*: mean final loss minus that of the synchronous run \
+with the same settings (± the standard error of the difference). *EF closes*: (gap of the run \
+without EF − gap with EF) / gap without EF; 100% means EF matches sync, above 100% beats it, below \
+0% makes it worse. It is left out when the gap without EF is not clearly positive (not above \
+{CLEAR_GAP_SE:g} standard errors; with one seed, not above 0): a share of a gap that seed noise \
+could explain means nothing."""
+
+TARGET_NOTE = """Target: the synchronous baseline's mean final validation loss. Time to target: \
+training time (evaluations excluded) until the validation loss first reaches it, interpolated \
+between evaluations; mean ± std over the seeds that reached it. The baseline's own time is its \
+full training time. Speed-up: baseline time / time to target."""
+
+NO_BASELINE = "No group has a synchronous baseline with the same settings to take a target from."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_FOLDER",
+        help="run folders, or folders holding run folders (searched recursively)",
+    )
+    parser.add_argument(
+        "--out", default="report", help="folder for report.md and the plots (default: report)"
+    )
+    parser.add_argument(
+        "--where",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="keep only runs whose setting is one of the values (repeatable), e.g. "
+        "--where optim=adamw,muon --where ef=false",
+    )
+    parser.add_argument(
+        "--vs",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="also plot final loss against a setting; per optimizer, the first listed key that "
+        "varies is used (e.g. --vs lr, or --vs momentum beta1)",
+    )
+    parser.add_argument(
+        "--time-to-target",
+        action="store_true",
+        help="add a table of the training time each run needs to reach its synchronous "
+        "baseline's final validation loss (meaningful for runs timed alone, e.g. under torchrun)",
+    )
+    parser.add_argument("--title", default="Report", help="heading of report.md")
+
+
+def draw_plots(groups: Sequence[Group], vs: Sequence[str], out: Path) -> list[tuple[str, str]]:
+    """Write the PNGs; return (caption, file name) for each."""
+    from nobubble.reporting.plots import plot_curves, plot_final_vs  # matplotlib: only when drawing
+
+    plot_curves(groups, "step", out / "val_loss_vs_step.png")
+    plot_curves(groups, "time", out / "val_loss_vs_time.png")
+    figures = [
+        ("Validation loss against steps", "val_loss_vs_step.png"),
+        ("Validation loss against training time", "val_loss_vs_time.png"),
+    ]
+    if vs:
+        name = f"final_loss_vs_{'_'.join(vs)}.png"
+        if plot_final_vs(groups, vs, out / name):
+            figures.append((f"Final validation loss against {' / '.join(vs)}", name))
+        else:
+            print(f"warning: no optimizer's runs vary {' or '.join(vs)}; no plot", file=sys.stderr)
+    return figures
+
+
+def render(
+    title: str,
+    inputs: Sequence[str],
+    rows: Sequence[Comparison],
+    target: str | None,
+    figures: Sequence[tuple[str, str]],
+    warnings: Sequence[str],
+) -> str:
+    runs = sum(len(r.group.runs) for r in rows)
+    parts = [
+        f"# {title}",
+        f"{runs} runs in {len(rows)} groups, from: {', '.join(f'`{p}`' for p in inputs)}",
+        "## Final validation loss",
+        quality_table(rows),
+        QUALITY_NOTE,
+    ]
+    if target is not None:
+        parts += ["## Time to target", target, TARGET_NOTE]
+    parts.append("## Plots")
+    parts += [f"![{caption}]({name})" for caption, name in figures]
+    if warnings:
+        parts += ["## Skipped", "\n".join(f"- {w}" for w in warnings)]
+    return "\n\n".join(parts) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    for key in args.vs:
+        if key not in FIELDS:
+            raise unknown_key_error(key)
+    filters = [parse_filter(text) for text in args.where]
+    runs, warnings = discover([Path(p) for p in args.runs])
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    runs = [run for run in runs if matches(run, filters)]
+    if not runs:
+        where = f" matching {' and '.join(args.where)}" if filters else ""
+        raise ReportError(f"no finished runs{where} in {' '.join(args.runs)}")
+    groups = group_runs(runs)
+    rows = compare(groups)
+    target = None
+    if args.time_to_target:
+        found = target_rows(rows)
+        target = target_table(found, groups) if found else NO_BASELINE
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = draw_plots(groups, args.vs, out)
+    text = render(args.title, args.runs, rows, target, figures, warnings)
+    (out / "report.md").write_text(text)
+    print(quality_table(rows))
+    if target is not None:
+        print("\n" + target)
+    print(f"\nreport: {out / 'report.md'}")
+    return 0

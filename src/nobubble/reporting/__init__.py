@@ -1,0 +1,1 @@
+"""Tables and plots from run folders (``nobubble report``)."""

@@ -1,0 +1,178 @@
+"""Runs grouped over seeds, and each delayed group compared with its synchronous baseline.
+
+A group is every run with the same settings but the seed. Groups that differ only in how the
+pipeline runs (schedule, EF, stages, microbatches, partition) are one *comparison*: the
+synchronous group among them is the baseline of the others, and the delay gap of a group is its
+mean final validation loss minus the baseline's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nobubble.config import SYNC_SCHEDULES
+from nobubble.reporting.runs import Run
+
+PIPELINE_KEYS = (
+    "schedule",
+    "ef",
+    "ef_gamma",
+    "stages",
+    "microbatches",
+    "stage_layers",
+    "embed_cost",
+    "head_cost",
+)
+SCHEDULE_ORDER = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
+# A gap smaller than this many standard errors is treated as seed noise.
+CLEAR_GAP_SE = 2.0
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and sample standard deviation over seeds (std is nan for a single seed)."""
+
+    mean: float
+    std: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stat:
+        std = statistics.stdev(values) if len(values) > 1 else math.nan
+        return cls(statistics.fmean(values), std, len(values))
+
+    @property
+    def sem(self) -> float:
+        """Standard error of the mean; 0 for a single seed (no noise estimate)."""
+        return self.std / math.sqrt(self.n) if self.n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Group:
+    settings: dict[str, Any]  # without the seed
+    runs: tuple[Run, ...]
+
+    @property
+    def optim(self) -> str:
+        return self.settings["optim"]
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.settings["schedule"] in SYNC_SCHEDULES and not self.settings["ef"]
+
+    @property
+    def setup(self) -> str:
+        """``sync``, ``2bw``, ``2bw+EF``, ``pipedream``... (how the pipeline runs)."""
+        return self.settings["schedule"] + ("+EF" if self.settings["ef"] else "")
+
+    @property
+    def loss(self) -> Stat:
+        return Stat.of([float(r.summary["final_val_loss"]) for r in self.runs])
+
+    @property
+    def bpb(self) -> Stat:
+        return Stat.of([float(r.summary["final_val_bpb"]) for r in self.runs])
+
+    def without(self, *keys: str) -> dict[str, Any]:
+        return {k: v for k, v in self.settings.items() if k not in keys}
+
+
+def group_runs(runs: Sequence[Run]) -> list[Group]:
+    """Group over seeds, ordered by optimizer, schedule, EF, then the other settings."""
+    buckets: dict[str, list[Run]] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        key_settings = {k: v for k, v in run.settings.items() if k != "seed"}
+        key = repr(sorted(key_settings.items()))
+        buckets.setdefault(key, []).append(run)
+        settings[key] = key_settings
+    groups = [
+        Group(settings[key], tuple(sorted(rs, key=lambda r: r.settings["seed"])))
+        for key, rs in buckets.items()
+    ]
+    return sorted(groups, key=_order)
+
+
+def _order(group: Group) -> tuple:
+    s = group.settings
+    rank = SCHEDULE_ORDER.index(s["schedule"]) if s["schedule"] in SCHEDULE_ORDER else 99
+    return (s["optim"], rank, s["ef"], s["stages"], repr(sorted(s.items())))
+
+
+def varied_keys(groups: Sequence[Group], exclude: Sequence[str] = ()) -> list[str]:
+    """Setting keys whose value is not the same in every group (in config order)."""
+    if not groups:
+        return []
+    keys = groups[0].settings
+    return [
+        k for k in keys if k not in exclude and len({repr(g.settings.get(k)) for g in groups}) > 1
+    ]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One group's row: its delay gap to the synchronous baseline and the share EF closes."""
+
+    group: Group
+    baseline: Group | None
+    gap: float | None  # mean final val loss minus the baseline's
+    gap_se: float | None  # standard error of that difference
+    ef_closed: float | None = None  # (gap of 2bw - gap of 2bw+EF) / gap of 2bw, for EF rows
+    ef_unclear: bool = False  # an EF row whose run without EF has no clear gap to close
+
+    @property
+    def gap_is_clear(self) -> bool:
+        return self.gap is not None and self.gap > CLEAR_GAP_SE * (self.gap_se or 0.0)
+
+
+def find_baseline(group: Group, groups: Sequence[Group]) -> Group | None:
+    """The synchronous group with the same non-pipeline settings (the same shape preferred)."""
+    if group.is_baseline:
+        return None
+    key = group.without(*PIPELINE_KEYS)
+    candidates = [g for g in groups if g.is_baseline and g.without(*PIPELINE_KEYS) == key]
+    if len(candidates) > 1:
+        shape = ("stages", "microbatches", "stage_layers")
+        candidates = [
+            g for g in candidates if all(g.settings[k] == group.settings[k] for k in shape)
+        ]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _with_gap(group: Group, groups: Sequence[Group]) -> Comparison:
+    baseline = find_baseline(group, groups)
+    if baseline is None:
+        return Comparison(group, None, None, None)
+    a, b = group.loss, baseline.loss
+    return Comparison(group, baseline, a.mean - b.mean, math.hypot(a.sem, b.sem))
+
+
+def _with_ef_share(row: Comparison, rows: Sequence[Comparison]) -> Comparison:
+    """EF's closed share needs the same group without EF to have a clear (positive) gap."""
+    if not row.group.settings["ef"] or row.gap is None:
+        return row
+    plain_settings = row.group.without("ef", "ef_gamma")
+    plain = next(
+        (
+            r
+            for r in rows
+            if not r.group.settings["ef"] and r.group.without("ef", "ef_gamma") == plain_settings
+        ),
+        None,
+    )
+    if plain is None or plain.gap is None:
+        return row
+    if not plain.gap_is_clear:
+        return dataclasses.replace(row, ef_unclear=True)
+    return dataclasses.replace(row, ef_closed=(plain.gap - row.gap) / plain.gap)
+
+
+def compare(groups: Sequence[Group]) -> list[Comparison]:
+    """A row per group, in the groups' order."""
+    rows = [_with_gap(group, groups) for group in groups]
+    return [_with_ef_share(row, rows) for row in rows]

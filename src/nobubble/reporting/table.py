@@ -1,0 +1,90 @@
+"""Markdown tables: final quality per group with its delay gap, and time to target."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from nobubble.reporting.groups import Comparison, Group, Stat, varied_keys
+from nobubble.reporting.target import TargetRow
+
+COLUMN_KEYS = ("optim", "schedule", "ef")  # shown in their own columns, not under "settings"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_value(value: Any) -> str:
+    return "x".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def fmt_stat(stat: Stat, digits: int = 4) -> str:
+    """``mean ± std`` over seeds (just the mean for a single seed)."""
+    if math.isnan(stat.std):
+        return f"{stat.mean:.{digits}f}"
+    return f"{stat.mean:.{digits}f} ± {stat.std:.{digits}f}"
+
+
+def settings_label(group: Group, keys: Sequence[str]) -> str:
+    return " ".join(f"{k}={fmt_value(group.settings[k])}" for k in keys)
+
+
+def fmt_gap(row: Comparison) -> str:
+    if row.group.is_baseline:
+        return "baseline"
+    if row.gap is None:
+        return "—"
+    se = f" ± {row.gap_se:.4f}" if row.gap_se else ""
+    return f"{row.gap:+.4f}{se}"
+
+
+def fmt_ef(row: Comparison) -> str:
+    if row.ef_closed is not None:
+        return f"{100 * row.ef_closed:.0f}%"
+    return "— (no clear gap)" if row.ef_unclear else ""
+
+
+def _who(group: Group, keys: Sequence[str]) -> list[str]:
+    """The cells that say which group a row is; "settings" only when something else varies."""
+    return [group.optim, group.setup] + ([settings_label(group, keys)] if keys else [])
+
+
+def _who_header(keys: Sequence[str]) -> list[str]:
+    return ["optimizer", "setup"] + (["settings"] if keys else [])
+
+
+def quality_table(rows: Sequence[Comparison]) -> str:
+    keys = varied_keys([r.group for r in rows], exclude=COLUMN_KEYS)
+    header = [*_who_header(keys), "seeds", "val loss", "val bpb", "gap vs sync", "EF closes"]
+    body = [
+        [
+            *_who(r.group, keys),
+            str(len(r.group.runs)),
+            fmt_stat(r.group.loss),
+            fmt_stat(r.group.bpb),
+            fmt_gap(r),
+            fmt_ef(r),
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, body)
+
+
+def target_table(rows: Sequence[TargetRow], all_groups: Sequence[Group]) -> str:
+    keys = varied_keys(all_groups, exclude=COLUMN_KEYS)
+    header = [*_who_header(keys), "target val loss", "time to target (s)", "reached", "speed-up"]
+    body = [
+        [
+            *_who(r.group, keys),
+            f"{r.target:.4f}",
+            "not reached" if r.time is None else fmt_stat(r.time, digits=1),
+            f"{r.reached}/{len(r.group.runs)}",
+            "—" if r.speedup is None else f"{r.speedup:.2f}×",
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, body)

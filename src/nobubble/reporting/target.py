@@ -1,0 +1,61 @@
+"""Time to target: how long each run trains before it reaches its baseline's final quality.
+
+The target is the synchronous baseline's mean final validation loss. A run's time to target is
+the training time (``train_time_s``: evaluations excluded) at which its validation loss first
+falls to the target, interpolated linearly between evaluation points. The baseline's own time is
+its full training time, since it reaches that quality (on average) at its last step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nobubble.reporting.groups import Comparison, Group, Stat
+from nobubble.reporting.runs import EvalPoint
+
+
+@dataclass(frozen=True)
+class TargetRow:
+    group: Group
+    target: float
+    time: Stat | None  # over the runs that reached the target; None if none did
+    reached: int
+    speedup: float | None  # baseline time / this time
+
+
+def time_to_reach(evals: Sequence[EvalPoint], target: float) -> float | None:
+    """Interpolated training time at which the validation loss first reaches ``target``."""
+    previous: EvalPoint | None = None
+    for point in evals:
+        if point.val_loss <= target:
+            if previous is None:
+                return point.train_time_s
+            fraction = (previous.val_loss - target) / (previous.val_loss - point.val_loss)
+            return previous.train_time_s + fraction * (point.train_time_s - previous.train_time_s)
+        previous = point
+    return None
+
+
+def _row(group: Group, target: float, baseline_time: Stat | None) -> TargetRow:
+    times = [t for run in group.runs if (t := time_to_reach(run.evals, target)) is not None]
+    if not times:
+        return TargetRow(group, target, None, 0, None)
+    stat = Stat.of(times)
+    speedup = baseline_time.mean / stat.mean if baseline_time and stat.mean > 0 else None
+    return TargetRow(group, target, stat, len(times), speedup)
+
+
+def target_rows(rows: Sequence[Comparison]) -> list[TargetRow]:
+    """For every baseline: its own row, then a row per group compared with it."""
+    out: list[TargetRow] = []
+    baselines: list[Group] = []
+    for row in rows:
+        if row.baseline is not None and all(row.baseline is not b for b in baselines):
+            baselines.append(row.baseline)
+    for baseline in baselines:
+        target = baseline.loss.mean
+        own = Stat.of([run.evals[-1].train_time_s for run in baseline.runs])
+        out.append(TargetRow(baseline, target, own, len(baseline.runs), 1.0))
+        out += [_row(r.group, target, own) for r in rows if r.baseline is baseline]
+    return out

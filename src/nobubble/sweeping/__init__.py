@@ -1,0 +1,1 @@
+"""Grids of training runs (``nobubble sweep``): the grid file, the plan, the processes."""

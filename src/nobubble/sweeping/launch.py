@@ -1,0 +1,156 @@
+"""Running planned runs as separate processes, a few at a time, each logging to its own file.
+
+Each run's resolved config is written to ``<logs>/<run>.toml`` and trained with
+``python -m nobubble train --config <run>.toml`` (under ``torchrun --standalone`` for pipeline
+runs, one process per stage); stdout and stderr go to ``<logs>/<run>.log``. A run that fails does
+not stop the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import tomli_w
+
+from nobubble.sweeping.planned import PlannedRun
+
+POLL_S = 0.2
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    run: PlannedRun
+    ok: bool
+    seconds: float
+    detail: str  # the final val loss, or why it failed and where the log is
+
+
+def command(run: PlannedRun, config_file: Path) -> list[str]:
+    train = ["-m", "nobubble", "train", "--config", str(config_file)]
+    if run.launcher == "torchrun":
+        launcher = ["-m", "torch.distributed.run", "--standalone"]
+        launcher.append(f"--nproc-per-node={run.processes}")
+        return [sys.executable, *launcher, *train]
+    return [sys.executable, *train]
+
+
+def write_config_file(run: PlannedRun, path: Path) -> None:
+    """The run's full config as TOML (unset optional keys, which TOML cannot hold, left out)."""
+    values = {k: v for k, v in run.config.to_dict().items() if v is not None}
+    path.write_text(tomli_w.dumps(values))
+
+
+@dataclass
+class _Running:
+    run: PlannedRun
+    process: subprocess.Popen
+    log_path: Path
+    log: IO[str]
+    started: float
+
+
+def _start(run: PlannedRun, logs: Path) -> _Running:
+    if run.path.exists():
+        shutil.rmtree(run.path)  # half-done (the planner never hands over a complete run)
+    logs.mkdir(parents=True, exist_ok=True)
+    config_file = logs / f"{run.name}.toml"
+    write_config_file(run, config_file)
+    log_path = logs / f"{run.name}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed when the process ends
+    env = {**os.environ, "OMP_NUM_THREADS": str(run.config.threads), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        command(run, config_file),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,  # its own process group: torchrun's workers stop with it
+    )
+    return _Running(run, process, log_path, log, time.perf_counter())
+
+
+def _last_line(path: Path) -> str:
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines()]
+    return next((line for line in reversed(lines) if line), "(empty log)")
+
+
+def _finish(job: _Running, code: int) -> Outcome:
+    job.log.close()
+    seconds = time.perf_counter() - job.started
+    summary = job.run.summary_path
+    if code == 0 and summary.is_file():
+        loss = json.loads(summary.read_text())["final_val_loss"]
+        return Outcome(job.run, True, seconds, f"val_loss {loss:.4f}")
+    reason = f"exit {code}" if code else "exited without a summary.json"
+    detail = f"{reason}: {_last_line(job.log_path)} (log: {job.log_path})"
+    return Outcome(job.run, False, seconds, detail)
+
+
+def _stop(jobs: Sequence[_Running]) -> None:
+    for job in jobs:
+        _signal(job, signal.SIGTERM)
+    deadline = time.perf_counter() + STOP_GRACE_S
+    for job in jobs:
+        try:
+            job.process.wait(timeout=max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            _signal(job, signal.SIGKILL)
+            job.process.wait()
+        job.log.close()
+
+
+def _signal(job: _Running, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.killpg(job.process.pid, sig)
+
+
+def run_all(
+    runs: Sequence[PlannedRun],
+    slots: int,
+    logs_dir: Callable[[PlannedRun], Path],
+    say: Callable[[str], None],
+) -> list[Outcome]:
+    """Run in order, as many at a time as fit in ``slots`` processes (a pipeline run takes one
+    slot per stage, at most all of them); on Ctrl-C stop every running process and re-raise."""
+    queue = deque(runs)
+    running: list[_Running] = []
+    outcomes: list[Outcome] = []
+    width = len(str(len(runs)))
+
+    def slots_of(run: PlannedRun) -> int:
+        return min(run.processes, slots)
+
+    try:
+        while queue or running:
+            while queue and sum(slots_of(j.run) for j in running) + slots_of(queue[0]) <= slots:
+                run = queue.popleft()
+                running.append(_start(run, logs_dir(run)))
+                index = len(runs) - len(queue)
+                say(f"[{index:>{width}}/{len(runs)}] start {run.label}")
+            for job in list(running):
+                code = job.process.poll()
+                if code is None:
+                    continue
+                running.remove(job)
+                outcome = _finish(job, code)
+                outcomes.append(outcome)
+                state = "done  " if outcome.ok else "FAILED"
+                say(f"{state} {job.run.label} ({outcome.seconds:.0f} s): {outcome.detail}")
+            if running:
+                time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        _stop(running)
+        raise
+    return outcomes

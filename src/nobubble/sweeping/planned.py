@@ -1,0 +1,81 @@
+"""A planned run: its full config, its folder, and the state that folder is in.
+
+A run is complete when its folder holds summary.json and a config.json with the same result
+settings as planned (folder, threads and progress bar aside). A folder with a matching config but
+no summary is half-done: it is removed and run again. A folder with any other content is never
+touched: the sweep stops and says which folder and which settings differ.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from nobubble.config import TrainConfig
+from nobubble.reporting.runs import final_loss, result_settings
+
+
+class Status(enum.Enum):
+    NEW = "run"
+    PARTIAL = "rerun"  # half-done: removed, then run again
+    COMPLETE = "skip"
+    CONFLICT = "CONFLICT"
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    phase: str
+    name: str
+    path: Path
+    config: TrainConfig
+    launcher: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase}/{self.name}" if self.phase else self.name
+
+    @property
+    def processes(self) -> int:
+        return self.config.stages if self.launcher == "torchrun" else 1
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / "summary.json"
+
+    def status(self) -> Status:
+        if not self.path.exists() or (self.path.is_dir() and not any(self.path.iterdir())):
+            return Status.NEW
+        if self.conflict() is not None:
+            return Status.CONFLICT
+        return Status.COMPLETE if self.summary_path.is_file() else Status.PARTIAL
+
+    def conflict(self) -> str | None:
+        """Why the folder cannot hold this run, or None if it can."""
+        stored_path = self.path / "config.json"
+        if not stored_path.is_file():
+            return f"{self.path} holds files but no config.json (not a run folder)"
+        try:
+            stored = result_settings(json.loads(stored_path.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            return f"{stored_path} is unreadable: {exc}"
+        planned = result_settings(self.config.to_dict())
+        diffs = [
+            f"{k}: folder has {stored[k]!r}, grid plans {planned[k]!r}"
+            for k in planned
+            if stored[k] != planned[k]
+        ]
+        return f"{self.path} holds a different run ({'; '.join(diffs)})" if diffs else None
+
+
+LossOf = Callable[[PlannedRun], float | None]
+
+
+def finished_loss(run: PlannedRun, failed: Collection[Path] = ()) -> float | None:
+    """A complete run's final loss, inf for a run in ``failed``, None for an unfinished one."""
+    if run.status() is Status.COMPLETE:
+        return final_loss(json.loads(run.summary_path.read_text()))
+    return math.inf if run.path in failed else None

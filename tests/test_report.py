@@ -1,0 +1,150 @@
+"""``nobubble report`` on hand-made run folders: numbers checked against hand computations."""
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from nobubble import report
+from nobubble.config import TrainConfig
+from nobubble.reporting.groups import compare, group_runs
+from nobubble.reporting.runs import EvalPoint, ReportError, discover
+from nobubble.reporting.target import target_rows, time_to_reach
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run(root: Path, final: float, finished: bool = True, **settings) -> Path:
+    """A run folder as training writes it: the loss falls linearly to ``final`` over 100 s."""
+    cfg = TrainConfig(steps=100, **settings)
+    name = "-".join(f"{k}={v}" for k, v in sorted(settings.items()))
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(cfg.to_json())
+    evals = [(0, 5.0, 0.0), (50, final + 1.0, 50.0), (100, final, 100.0)]
+    lines = [
+        {"step": s, "val_loss": loss, "val_bpb": loss * 1.5, "train_time_s": t}
+        for s, loss, t in evals
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if finished:
+        summary = {"final_val_loss": final, "final_val_bpb": final * 1.5, "train_s": 100.0}
+        (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+ADAMW = {"sync": [2.00, 2.02, 2.01], "2bw": [2.40, 2.46, 2.43], "2bw+EF": [2.10, 2.12, 2.08]}
+MUON = {"sync": [1.90, 1.95], "2bw": [1.91, 1.93], "2bw+EF": [1.92, 1.90]}
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    for optim, table in (("adamw", ADAMW), ("muon", MUON)):
+        for setup, losses in table.items():
+            schedule, ef = setup.removesuffix("+EF"), setup.endswith("+EF")
+            for seed, loss in enumerate(losses):
+                make_run(root, loss, optim=optim, schedule=schedule, ef=ef, seed=seed)
+    make_run(root, 2.6, optim="adamw", schedule="pipedream", stages=4)
+    make_run(root, 9.9, finished=False, optim="lion")
+    return root
+
+
+def call(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    report.add_arguments(parser)
+    return report.run(parser.parse_args(list(argv)))
+
+
+def mean_std(values):
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def sem(values):
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
+def test_table_numbers_match_hand_computations(runs_dir, tmp_path):
+    assert call(str(runs_dir), "--out", str(tmp_path / "out")) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    rows = {
+        tuple(cell.strip() for cell in line.split("|")[1:3]): line
+        for line in text.splitlines()
+        if line.startswith("| adamw") or line.startswith("| muon")
+    }
+    sync, delayed, ef = ADAMW["sync"], ADAMW["2bw"], ADAMW["2bw+EF"]
+    assert mean_std(sync) in rows["adamw", "sync"] and "baseline" in rows["adamw", "sync"]
+    assert mean_std([x * 1.5 for x in sync]) in rows["adamw", "sync"]  # bits per byte
+    gap = statistics.fmean(delayed) - statistics.fmean(sync)
+    gap_se = math.hypot(sem(delayed), sem(sync))
+    assert f"| {gap:+.4f} ± {gap_se:.4f} |" in rows["adamw", "2bw"]
+    ef_gap = statistics.fmean(ef) - statistics.fmean(sync)
+    assert f"| {100 * (gap - ef_gap) / gap:.0f}% |" in rows["adamw", "2bw+EF"]
+    # muon's gap is within seed noise, so EF's share of it is not reported
+    assert "| — (no clear gap) |" in rows["muon", "2bw+EF"]
+    # a single pipedream seed: a mean without std, its gap to the same sync baseline
+    pipedream_gap = 2.6 - statistics.fmean(sync)
+    assert (
+        f"| 1 | 2.6000 | 3.9000 | {pipedream_gap:+.4f} ± {sem(sync):.4f} |"
+        in (rows["adamw", "pipedream"])
+    )
+    assert "stages=4" in rows["adamw", "pipedream"]
+    assert "skipped" in text and "lion" in text  # the unfinished run is listed as skipped
+    for png in ("val_loss_vs_step.png", "val_loss_vs_time.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:8] == PNG
+
+
+def test_where_filters_and_final_loss_plot(runs_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["--where", "optim=adamw", "--where", "ef=false", "--vs", "stages", "--out", str(out)]
+    assert call(str(runs_dir), *args) == 0
+    printed = capsys.readouterr().out
+    assert "muon" not in printed and "2bw+EF" not in printed
+    assert "| adamw | pipedream |" in printed
+    assert (out / "final_loss_vs_stages.png").read_bytes()[:8] == PNG
+
+
+def test_time_to_target(runs_dir, tmp_path):
+    args = ["--where", "optim=adamw", "--time-to-target", "--out", str(tmp_path)]
+    assert call(str(runs_dir), *args) == 0
+    text = (tmp_path / "report.md").read_text()
+    target = statistics.fmean(ADAMW["sync"])
+    # The sync baseline takes its full 100 s; 2bw+EF never gets below the target.
+    assert f"| adamw | sync | stages=1 | {target:.4f} | 100.0 ± 0.0 | 3/3 | 1.00× |" in text
+    assert f"| adamw | 2bw+EF | stages=1 | {target:.4f} | not reached | 0/3 | — |" in text
+
+
+def test_time_to_reach_interpolates_between_evaluations():
+    evals = [EvalPoint(0, 5.0, 7.0, 0.0), EvalPoint(10, 3.0, 4.0, 20.0), EvalPoint(20, 2.0, 3, 50)]
+    assert time_to_reach(evals, 5.0) == 0.0
+    assert time_to_reach(evals, 4.0) == pytest.approx(10.0)
+    assert time_to_reach(evals, 2.5) == pytest.approx(35.0)
+    assert time_to_reach(evals, 1.9) is None
+
+
+def test_faster_run_speed_up(tmp_path):
+    make_run(tmp_path, 2.0, schedule="1f1b", stages=2, microbatches=2)
+    fast = make_run(tmp_path, 1.5, schedule="2bw", stages=2, microbatches=2, ef=True)
+    runs, _ = discover([tmp_path])
+    rows = compare(group_runs(runs))
+    assert rows[1].ef_closed is None and not rows[1].ef_unclear  # no 2bw run without EF
+    baseline, fast_row = target_rows(rows)
+    assert baseline.group.setup == "1f1b" and baseline.time.mean == 100.0
+    # 2bw+EF falls from 2.5 at 50 s to 1.5 at 100 s: it reaches 2.0 halfway, at 75 s
+    assert fast_row.group.runs[0].path == fast
+    assert fast_row.time.mean == pytest.approx(75.0) and fast_row.speedup == pytest.approx(4 / 3)
+
+
+def test_folders_that_are_not_runs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match=r"is not a run folder .* and holds no run folders"):
+        call(str(tmp_path / "empty"))
+    make_run(tmp_path / "a", 2.0, seed=0)
+    make_run(tmp_path / "b", 2.0, seed=0)
+    runs, warnings = discover([tmp_path])
+    assert len(runs) == 1 and "same settings and seed as" in warnings[0]
+    with pytest.raises(ReportError, match="no finished runs matching optim=muon"):
+        call(str(tmp_path), "--where", "optim=muon")

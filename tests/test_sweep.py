@@ -1,0 +1,136 @@
+"""``nobubble sweep`` end to end on a 2-run toy grid (real training processes), then report."""
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from nobubble import report, sweep
+from nobubble.sweeping.grid import SweepError
+
+TOY_GRID = """
+[sweep]
+name = "toy"
+
+[base]
+d_model = 32
+n_layers = 2
+n_heads = 2
+n_kv_heads = 1
+d_ff = 64
+seq_len = 32
+batch_size = 4
+steps = 4
+eval_every = 2
+eval_batches = 1
+warmup_steps = 1
+
+[grid]
+schedule = ["sync", "2bw"]
+"""
+
+
+def call(module, *argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(list(argv)))
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def tally(done: int, skipped: int, failed: int = 0) -> str:
+    return f"sweep toy: {done} done, {skipped} skipped (already complete), {failed} failed"
+
+
+@pytest.fixture
+def grid(tmp_path: Path) -> Path:
+    path = tmp_path / "toy.toml"
+    path.write_text(TOY_GRID)
+    return path
+
+
+def test_dry_run_lists_runs_and_trains_nothing(grid, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert call(sweep, "--config", str(grid), "--out", str(out), "--dry-run") == 0
+    text = capsys.readouterr().out
+    assert "run   schedule=sync" in text and "run   schedule=2bw" in text
+    assert (
+        last_line(text) == "sweep toy (dry run): 2 to run, 0 complete, 0 waiting for earlier phases"
+    )
+    assert not out.exists()
+
+
+def test_toy_sweep_runs_skips_resumes_refuses_and_reports(grid, tmp_path, capsys):
+    out = tmp_path / "runs"
+    argv = ["--config", str(grid), "--out", str(out), "--jobs", "2"]
+    sync, delayed = out / "schedule=sync", out / "schedule=2bw"
+
+    assert call(sweep, *argv) == 0
+    assert last_line(capsys.readouterr().out) == tally(done=2, skipped=0)
+    for folder, schedule in ((sync, "sync"), (delayed, "2bw")):
+        config = json.loads((folder / "config.json").read_text())
+        assert (config["schedule"], config["out"], config["progress"]) == (
+            schedule,
+            str(folder),
+            False,
+        )
+        assert (folder / "summary.json").is_file()
+        assert (out / "_sweep" / f"{folder.name}.log").is_file()
+
+    # A second sweep finds both runs complete.
+    assert call(sweep, *argv) == 0
+    assert last_line(capsys.readouterr().out) == tally(done=0, skipped=2)
+
+    # A half-done run (no summary) is trained again, and only that one.
+    kept = (sync / "summary.json").stat().st_mtime_ns
+    (delayed / "summary.json").unlink()
+    assert call(sweep, *argv) == 0
+    assert last_line(capsys.readouterr().out) == tally(done=1, skipped=1)
+    assert (delayed / "summary.json").is_file()
+    assert (sync / "summary.json").stat().st_mtime_ns == kept
+
+    # The report: one row per run, numbers straight from the summaries, a gap 2bw - sync.
+    summaries = {f: json.loads((f / "summary.json").read_text()) for f in (sync, delayed)}
+    assert call(report, str(out), "--out", str(tmp_path / "report")) == 0
+    table = (tmp_path / "report" / "report.md").read_text()
+    for s in summaries.values():
+        assert f"{s['final_val_loss']:.4f} | {s['final_val_bpb']:.4f}" in table
+    gap = summaries[delayed]["final_val_loss"] - summaries[sync]["final_val_loss"]
+    assert re.search(rf"\| 2bw \|.*\| {re.escape(f'{gap:+.4f}')} \|", table)
+    for png in ("val_loss_vs_step.png", "val_loss_vs_time.png"):
+        assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A folder that holds another run is never overwritten.
+    config = json.loads((sync / "config.json").read_text())
+    (sync / "config.json").write_text(json.dumps({**config, "lr": 0.5}))
+    (sync / "summary.json").unlink()
+    with pytest.raises(
+        SweepError, match=r"schedule=sync holds a different run \(lr: folder has 0.5"
+    ):
+        call(sweep, *argv)
+    assert json.loads((sync / "config.json").read_text())["lr"] == 0.5
+
+
+def test_a_failed_run_does_not_stop_the_others(tmp_path, capsys):
+    grid = tmp_path / "fail.toml"
+    broken = tmp_path / "missing.txt"
+    grid.write_text(
+        TOY_GRID.replace('schedule = ["sync", "2bw"]', f'data = ["builtin", "{broken}"]')
+    )
+    out = tmp_path / "runs"
+    assert call(sweep, "--config", str(grid), "--out", str(out)) == 1
+    text = capsys.readouterr().out
+    assert last_line(text) == tally(done=1, skipped=0, failed=1)
+    assert re.search(r"^failed: data=\S*missing.txt: exit 2: nobubble: error: ", text, re.M)
+    assert (out / "data=builtin" / "summary.json").is_file()
+
+
+def test_thread_share_splits_the_cores():
+    share = sweep.thread_share(jobs=2, cpus=2)
+    assert (share(1), share(2)) == (1, 1)
+    share = sweep.thread_share(jobs=1, cpus=8)
+    assert (share(1), share(2)) == (8, 4)

@@ -1,0 +1,280 @@
+"""Grid files, run planning and ``best:`` values, without training anything."""
+
+import argparse
+import functools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from nobubble import sweep
+from nobubble.config import build_config, load_toml
+from nobubble.sweeping.best import Pending
+from nobubble.sweeping.grid import SweepError, load_sweep
+from nobubble.sweeping.launch import command, write_config_file
+from nobubble.sweeping.plan import plan_phase
+from nobubble.sweeping.planned import PlannedRun, Status, finished_loss
+
+PHASED = """
+[sweep]
+name = "study"
+out = "OUT"
+
+[base]
+steps = 10
+lr = 0.003
+
+[[phase]]
+name = "lr_sweep"
+set = { schedule = "sync" }
+[phase.grid]
+optim = ["adamw", "muon"]
+lr = [0.001, 0.01]
+seed = [0, 1]
+
+[[phase]]
+name = "main"
+set = { lr = "best:lr_sweep" }
+[phase.grid]
+optim = ["adamw", "muon"]
+[phase.grid.setup]
+sync = { schedule = "sync" }
+2bw = { schedule = "2bw" }
+"2bw+ef" = { schedule = "2bw", ef = true }
+
+[[phase]]
+name = "pipeline"
+launcher = "torchrun"
+set = { stages = 2, microbatches = 2, schedule = "1f1b" }
+"""
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """Grids without [sweep] out write to runs/<name> under the working directory."""
+    monkeypatch.chdir(tmp_path)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "grid.toml"
+    path.write_text(text.replace("OUT", str(tmp_path / "runs")))
+    return path
+
+
+def plan(sweep_spec, name, planned, loss_of=lambda run: None):
+    phase = sweep_spec.phase(name)
+    return plan_phase(sweep_spec, phase, planned, loss_of, threads=lambda processes: 1).runs
+
+
+def finish(run: PlannedRun, loss: float) -> None:
+    """Make ``run``'s folder look like a finished training run."""
+    run.path.mkdir(parents=True)
+    (run.path / "config.json").write_text(json.dumps(run.config.to_dict()))
+    (run.path / "summary.json").write_text(json.dumps({"final_val_loss": loss}))
+
+
+def test_phases_variants_names_and_precedence(tmp_path):
+    spec = load_sweep(write(tmp_path, PHASED))
+    assert spec.name == "study" and spec.out == tmp_path / "runs"
+    assert [p.name for p in spec.phases] == ["lr_sweep", "main", "pipeline"]
+    runs = plan(spec, "lr_sweep", {})
+    assert [r.name for r in runs][:3] == [
+        "optim=adamw,lr=0.001,seed=0",
+        "optim=adamw,lr=0.001,seed=1",
+        "optim=adamw,lr=0.01,seed=0",
+    ]
+    first = runs[0]
+    assert first.path == tmp_path / "runs" / "lr_sweep" / first.name
+    assert (first.config.steps, first.config.lr, first.config.schedule) == (10, 0.001, "sync")
+    assert (first.config.out, first.config.progress) == (str(first.path), False)
+    (pipeline,) = plan(spec, "pipeline", {})
+    assert pipeline.name == "run" and pipeline.processes == 2
+    assert pipeline.config.lr == 0.003  # [base]
+    main = spec.phase("main").points()
+    assert [p.name for p in main][:3] == [
+        "optim=adamw,setup=sync",
+        "optim=adamw,setup=2bw",
+        "optim=adamw,setup=2bw+ef",
+    ]
+    assert main[2].settings["ef"] is True and main[2].settings["schedule"] == "2bw"
+
+
+def test_best_takes_the_lowest_mean_loss_over_seeds(tmp_path):
+    spec = load_sweep(write(tmp_path, PHASED))
+    planned = {"lr_sweep": plan(spec, "lr_sweep", {})}
+    with pytest.raises(Pending, match=r"4 unfinished runs that decide lr for \{'optim': 'adamw'\}"):
+        plan(spec, "main", planned)
+    losses = {  # (optim, lr) -> loss per seed; adamw: seed 0 alone would pick 0.001
+        ("adamw", 0.001): [2.0, 2.6],
+        ("adamw", 0.01): [2.1, 2.35],
+        ("muon", 0.001): [3.0, 3.0],
+        ("muon", 0.01): [math.nan, 1.0],  # a diverged seed makes the whole lr lose
+    }
+    for run in planned["lr_sweep"]:
+        finish(run, losses[run.config.optim, run.config.lr][run.config.seed])
+    main = plan(spec, "main", planned, finished_loss)
+    chosen = {(r.config.optim, r.config.schedule, r.config.ef): r.config.lr for r in main}
+    assert chosen == {
+        ("adamw", "sync", False): 0.01,
+        ("adamw", "2bw", False): 0.01,
+        ("adamw", "2bw", True): 0.01,
+        ("muon", "sync", False): 0.001,
+        ("muon", "2bw", False): 0.001,
+        ("muon", "2bw", True): 0.001,
+    }
+
+
+def test_best_counts_runs_that_failed_in_this_sweep_as_diverged(tmp_path):
+    spec = load_sweep(write(tmp_path, PHASED))
+    planned = {"lr_sweep": plan(spec, "lr_sweep", {})}
+    for run in planned["lr_sweep"]:
+        if run.config.optim == "adamw":
+            finish(run, 2.0)
+    failed = {r.path for r in planned["lr_sweep"] if r.config.optim == "muon"}
+    with pytest.raises(SweepError, match="every lr of phase 'lr_sweep' failed or diverged"):
+        plan(spec, "main", planned, functools.partial(finished_loss, failed=failed))
+
+
+def test_dry_run_shows_phases_waiting_for_best_values(tmp_path, capsys):
+    path = write(tmp_path, PHASED)
+    assert call("--config", str(path), "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert "phase main: 6 runs, waiting for lr = best:lr_sweep" in out
+    assert "  wait  optim=muon,setup=2bw+ef" in out
+    assert out.strip().endswith("9 to run, 0 complete, 6 waiting for earlier phases")
+
+
+def test_a_phase_cannot_start_before_the_phase_it_takes_best_values_from(tmp_path):
+    path = write(tmp_path, PHASED)
+    with pytest.raises(SweepError, match=r"Run that phase to the end first .* --phase lr_sweep"):
+        call("--config", str(path), "--phase", "main")
+
+
+def call(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    return sweep.run(parser.parse_args(list(argv)))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[bse]\nlr = 1", r"unknown key 'bse' \(did you mean 'base'\?\)"),
+        ("[base]\nlrr = 1", r"unknown config key 'lrr' \(did you mean 'lr'\?\)"),
+        ("[base]\nout = 'x'", r"set \[sweep\] out instead"),
+        ("[grid]\nlr = []", "empty list"),
+        ("[grid]\nlr = [1e-3, 1e-3]", "lists a value twice"),
+        ("[grid]\nlr = 'x'", "a list of values or a table of named variants"),
+        ("[grid]\nsteps = ['many']", "steps must be a whole number"),
+        ("[set]\nlr = 1e-3\n[grid]\nlr = [1e-3]", "lr is both in set and in the grid"),
+        ("[[phase]]\nname = 'a b'", "needs a name of letters"),
+        ("[[phase]]\nname = 'a'\nlauncher = 'mpirun'", "launcher must be one of"),
+        ("[[phase]]\nname = 'a'\nset = { lr = 'best:b' }", "must name an earlier phase"),
+        (
+            "[[phase]]\nname = 'a'\ngrid = { seed = [0] }\n"
+            "[[phase]]\nname = 'b'\nset = { lr = 'best:a' }",
+            "phase 'a' does not vary lr",
+        ),
+    ],
+)
+def test_grid_file_errors_say_what_is_wrong(tmp_path, text, message):
+    with pytest.raises(SweepError, match=message):
+        load_sweep(write(tmp_path, text))
+
+
+def test_invalid_combinations_name_the_run(tmp_path):
+    spec = load_sweep(write(tmp_path, "[grid]\nbatch_size = [4, 6]\nmicrobatches = [4]"))
+    with pytest.raises(SweepError, match="batch_size=6,microbatches=4: batch_size 6 is not"):
+        plan(spec, "", {})
+
+
+def test_folder_states(tmp_path):
+    spec = load_sweep(write(tmp_path, "[grid]\nseed = [0]"))
+    (run,) = plan(spec, "", {})
+    assert run.path == Path("runs/grid/seed=0")
+    assert run.status() is Status.NEW
+    run.path.mkdir(parents=True)
+    assert run.status() is Status.NEW  # an empty folder
+    (run.path / "notes.txt").write_text("mine")
+    assert run.status() is Status.CONFLICT and "no config.json" in run.conflict()
+    (run.path / "config.json").write_text(json.dumps({**run.config.to_dict(), "threads": 7}))
+    assert run.status() is Status.PARTIAL  # threads, out and progress do not change results
+    (run.path / "summary.json").write_text("{}")
+    assert run.status() is Status.COMPLETE
+
+
+def test_config_file_and_command(tmp_path):
+    spec = load_sweep(write(tmp_path, PHASED))
+    (run,) = plan(spec, "pipeline", {})
+    config_file = tmp_path / "run.toml"
+    write_config_file(run, config_file)
+    assert build_config(load_toml(config_file)) == run.config
+    assert command(run, config_file) == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "nobubble",
+        "train",
+        "--config",
+        str(config_file),
+    ]
+
+
+UNION = """
+[[phase]]
+name = "lr"
+[[phase.grid]]
+optim = ["adamw"]
+lr = [1e-3, 3e-3, 1e-2]
+[[phase.grid]]
+optim = ["lion"]
+lr = [1e-4, 3e-4, 1e-3]
+
+[[phase]]
+name = "main"
+set = { lr = "best:lr" }
+grid = { optim = ["adamw", "lion"] }
+"""
+
+
+def test_grid_tables_make_a_union_and_choices_are_reported(tmp_path):
+    spec = load_sweep(write(tmp_path, UNION))
+    runs = plan(spec, "lr", {})
+    assert [r.name for r in runs] == [
+        "optim=adamw,lr=0.001",
+        "optim=adamw,lr=0.003",
+        "optim=adamw,lr=0.01",
+        "optim=lion,lr=0.0001",
+        "optim=lion,lr=0.0003",
+        "optim=lion,lr=0.001",
+    ]
+    for run, loss in zip(runs, [3.0, 2.0, 2.5, 3.0, 2.9, 2.8], strict=True):
+        finish(run, loss)
+    main = plan_phase(spec, spec.phase("main"), {"lr": runs}, finished_loss, lambda p: 1)
+    assert [r.config.lr for r in main.runs] == [0.003, 0.001]
+    adamw, lion = (c.describe() for c in main.choices)
+    assert (
+        adamw == "lr = best of lr for optim=adamw: 0.003 (mean final val loss 2.0000 over 1 runs)"
+    )
+    assert lion.startswith("lr = best of lr for optim=lion: 0.001 (mean final val loss 2.8000")
+    assert lion.endswith("warning: at the edge of the values tried, a better one may lie beyond")
+
+
+def test_grids_of_a_phase_must_not_repeat_a_run(tmp_path):
+    text = "[[phase]]\nname = 'a'\n[[phase.grid]]\nseed = [0, 1]\n[[phase.grid]]\nseed = [1]"
+    with pytest.raises(SweepError, match="its grids give these runs twice: seed=1"):
+        load_sweep(write(tmp_path, text))
+
+
+def test_bad_combinations_in_later_phases_stop_the_sweep_before_it_starts(tmp_path):
+    text = PHASED.replace(
+        'set = { lr = "best:lr_sweep" }', 'set = { lr = "best:lr_sweep", ef_gamma = -1 }'
+    )
+    with pytest.raises(SweepError, match="main/optim=adamw,setup=sync: ef_gamma must be >= 0"):
+        call("--config", str(write(tmp_path, text)), "--dry-run")
+    assert not (tmp_path / "runs").exists()
