@@ -25,11 +25,23 @@ CASES = [
 ]
 
 
+OTHER_OPTIMIZERS = ["lion", "adan", "soap", "mars", "signum", "nadamw", "sgd"]
+
+
 @pytest.mark.parametrize(("stages", "schedule", "micro", "extra"), CASES)
 def test_pipeline_matches_the_simulation(tmp_path, stages, schedule, micro, extra):
     settings = [f"schedule={schedule}", f"stages={stages}", f"microbatches={micro}", "steps=6"]
     settings += ["eval_every=3", *extra]  # evaluations cut the pipeline run into segments
     nobubble(tmp_path / "pipeline", *settings, stages=stages)
+    nobubble(tmp_path / "simulated", *settings)
+    assert_same_run(tmp_path / "pipeline", tmp_path / "simulated")
+
+
+@pytest.mark.parametrize("optim", OTHER_OPTIMIZERS)
+def test_every_optimizer_runs_the_real_pipeline_exactly(tmp_path, optim):
+    settings = ["schedule=2bw", "stages=2", "microbatches=2", "steps=4", "eval_every=0"]
+    settings += [f"optim={optim}", "ef=true"]
+    nobubble(tmp_path / "pipeline", *settings, stages=2)
     nobubble(tmp_path / "simulated", *settings)
     assert_same_run(tmp_path / "pipeline", tmp_path / "simulated")
 
