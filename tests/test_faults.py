@@ -210,3 +210,10 @@ def test_a_stage_that_waits_too_long_names_the_peer_and_the_message():
     expected = "stage 0 gave up waiting for the gradient of microbatch 7 (step 3) from stage 1"
     assert expected in message
     assert "p2p_timeout_s" in message
+
+
+def test_tied_embeddings_over_several_stages_are_refused_up_front(tmp_path):
+    result = nobubble(tmp_path / "r", "stages=2", "tie_embeddings=true", stages=2, check=False)
+    assert result.returncode != 0
+    assert "set tie_embeddings=false to pipeline it" in result.stderr
+    assert not (tmp_path / "r").exists()

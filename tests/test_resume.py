@@ -26,6 +26,7 @@ def cut_back_to(run, step: int) -> None:
     (run / "summary.json").unlink()
     with open(run / "metrics.jsonl", "a") as fh:  # lines written after the checkpoint
         fh.write(json.dumps({"step": step + 1, "train_loss": 0.0}) + "\n")
+        fh.write('{"step": ' + str(step + 2) + ', "train_lo')  # torn by a hard kill
 
 
 RUNS = {

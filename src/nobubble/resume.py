@@ -66,14 +66,17 @@ def latest_valid_checkpoint(root: Path) -> Path | None:
 
 
 def truncate_metrics(run: RunFolder, step: int) -> None:
-    """Drop metrics lines after ``step``: the resumed run writes them again."""
+    """Drop metrics lines after ``step`` (the resumed run writes them again) and torn lines."""
     if not run.metrics_path.exists():
         return
-    kept = [
-        line
-        for line in run.metrics_path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
+    kept = []
+    for line in run.metrics_path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a hard kill
+        if record.get("step", 0) <= step:
+            kept.append(line)
     tmp = run.metrics_path.with_name(".metrics.jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(run.metrics_path)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle, build_data
 from nobubble.interrupt import stop_on_signals
-from nobubble.model import model_config
+from nobubble.model import PRESETS, model_config
 from nobubble.resume import open_run
 from nobubble.runfolder import RunFolder
 from nobubble.train import configure_torch, resolve_device, restore_checkpoint, run_training
@@ -31,6 +31,12 @@ def launched_by_torchrun() -> bool:
 
 def check_world(cfg: TrainConfig, world: int) -> None:
     """Errors that must stop every rank before any work starts."""
+    tied = PRESETS[cfg.preset].tie_embeddings if cfg.tie_embeddings is None else cfg.tie_embeddings
+    if tied and world > 1:
+        raise ConfigError(
+            f"preset {cfg.preset!r} ties the head to the embedding, which must then live on one "
+            "stage; set tie_embeddings=false to pipeline it over several stages"
+        )
     if world != cfg.stages:
         raise ConfigError(
             f"torchrun started {world} processes but the config asks for stages={cfg.stages}; "
