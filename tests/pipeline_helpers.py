@@ -32,21 +32,18 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def nobubble(out: Path, *args: str, stages: int = 0, timeout: int = 300, check: bool = True):
-    """``nobubble train`` in one process, or under torchrun with ``stages`` processes."""
+def train_command(*args: str, stages: int = 0, torchrun_args: tuple[str, ...] = ()) -> list[str]:
+    """``nobubble train ARGS`` in one process, or under torchrun with ``stages`` processes."""
+    launcher = [sys.executable, "-m", "nobubble"]
     if stages:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={stages}",
-            "-m",
-            "nobubble",
-        ]
-    else:
-        launcher = [sys.executable, "-m", "nobubble"]
-    command = [*launcher, "train", "--no-progress", "--out", str(out), *SMALL, *args]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launcher = [*torchrun, f"--nproc-per-node={stages}", *torchrun_args, *launcher[1:]]
+    return [*launcher, "train", "--no-progress", *args]
+
+
+def nobubble(out: Path, *args: str, stages: int = 0, timeout: int = 300, check: bool = True):
+    """Train into ``out`` with the small settings, wait, and return the finished process."""
+    command = train_command("--out", str(out), *SMALL, *args, stages=stages)
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env())
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")

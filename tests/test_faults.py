@@ -4,13 +4,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.pipeline_helpers import SMALL, assert_same_run, env, nobubble
+from tests.pipeline_helpers import SMALL, assert_same_run, env, nobubble, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -34,20 +33,10 @@ LAUNCHED: list[subprocess.Popen] = []
 
 
 def launch(out: Path, *args: str, stages: int = 0, torchrun_args: tuple[str, ...] = ()):
-    if stages:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={stages}",
-            *torchrun_args,
-            "-m",
-            "nobubble",
-        ]
-    else:
-        launcher = [sys.executable, "-m", "nobubble"]
-    command = [*launcher, "train", "--no-progress", "--out", str(out), *SMALL, *args]
+    """Start training in the background, in a process group of its own."""
+    command = train_command(
+        "--out", str(out), *SMALL, *args, stages=stages, torchrun_args=torchrun_args
+    )
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -109,19 +98,8 @@ def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages):
     assert stopped < 150
     assert (tmp_path / "cut" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
 
-    resumed = [sys.executable, "-m", "nobubble", "train", "--no-progress", "--resume"]
-    if stages:
-        resumed[1:3] = [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={stages}",
-            "-m",
-            "nobubble",
-        ]
-    done = subprocess.run(
-        [*resumed, str(tmp_path / "cut")], capture_output=True, text=True, env=env(), timeout=300
-    )
+    resumed = train_command("--resume", str(tmp_path / "cut"), stages=stages)
+    done = subprocess.run(resumed, capture_output=True, text=True, env=env(), timeout=300)
     assert done.returncode == 0, done.stderr
     nobubble(tmp_path / "full", *settings, stages=stages)
     assert_same_run(tmp_path / "full", tmp_path / "cut")

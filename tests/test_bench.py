@@ -1,0 +1,120 @@
+"""``nobubble bench``: the pieces on made-up figures, and one quick run of every variant.
+
+No test asserts a speed: the smoke run only checks that every variant ran and reported sane,
+complete figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from nobubble.bench import add_arguments, run
+from nobubble.bench.cli import common_settings, resolve, selected_variants
+from nobubble.bench.measure import RunResult, StageResult, simulated_bubble, steady_tokens_per_s
+from nobubble.bench.report import markdown, memory_extra, paired_ratio, summarize, targets
+from nobubble.bench.variants import VARIANTS, Shape
+from nobubble.config import ConfigError, TrainConfig
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return resolve(parser.parse_args(argv))
+
+
+def fake_run(tokens_per_s: float, peak_mb: tuple[float, float], versions: int = 1) -> RunResult:
+    stage = [
+        StageResult(idle_fraction=0.1, busy_s=9.0, peak_mem_mb=mb, param_mb=6.0,
+                    weight_versions=versions)
+        for mb in peak_mb
+    ]  # fmt: skip
+    return RunResult(
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_all=tokens_per_s,
+        final_loss=3.0,
+        stages=stage,
+        bubble_uniform=[0.2, 0.2],
+        bubble_timed=[0.2, 0.25],
+    )
+
+
+def test_steady_throughput_leaves_out_the_warmup_steps():
+    # 100 tokens a step; the first step takes 3 s, every later one 1 s
+    ends = [3.0, 4.0, 5.0, 6.0]
+    rows = [
+        {"step": i + 1, "tokens": 100 * (i + 1), "tokens_per_s": 100 * (i + 1) / t}
+        for i, t in enumerate(ends)
+    ]
+    assert steady_tokens_per_s(rows, skip_tokens=0) == pytest.approx(400 / 6)
+    assert steady_tokens_per_s(rows, skip_tokens=100) == pytest.approx(100.0)
+    assert steady_tokens_per_s(rows, skip_tokens=400) == pytest.approx(400 / 6)  # nothing left
+
+
+def test_simulated_bubble_matches_the_schedule_docs():
+    cfg = TrainConfig(schedule="2bw", stages=4, microbatches=8, steps=3)
+    bubble = simulated_bubble(cfg, [3.0] * 4)
+    assert sum(bubble) / 4 == pytest.approx(1 / 9)  # docs/schedules.md: 11.1% overall
+
+
+def test_pipedream_runs_the_same_microbatches_as_microbatch_sized_steps():
+    shape = Shape(stages=2, microbatches=4, steps=10, batch_size=16)
+    assert "steps=40" in shape.settings(VARIANTS["pipedream"])
+    assert "batch_size=4" in shape.settings(VARIANTS["pipedream"])
+    assert "microbatches=1" in shape.settings(VARIANTS["pipedream"])
+    assert "ef=true" in shape.settings(VARIANTS["2bw+ef"])
+
+
+def test_settings_the_benchmark_controls_are_refused():
+    with pytest.raises(ConfigError, match="stages"):
+        common_settings(parse("stages=4"))
+    assert "d_model=64" in common_settings(parse("d_model=64"))
+
+
+def test_unknown_variants_are_named():
+    with pytest.raises(ConfigError, match="2bw-ef"):
+        selected_variants("1f1b,2bw-ef")
+    names = [v.name for v in selected_variants("torch-1f1b,2bw,1f1b")]
+    assert names == ["1f1b", "2bw", "torch-1f1b"]  # report order, whatever the given order
+
+
+def test_targets_and_table_from_paired_repeats():
+    results = {
+        "1f1b": [fake_run(100, (500, 480)), fake_run(90, (502, 481))],
+        "2bw": [fake_run(124, (505, 485), 2), fake_run(112, (510, 489), 2)],
+        "torch-1f1b": [fake_run(98, (450, 440)), fake_run(92, (451, 441))],
+    }
+    assert paired_ratio(results, "2bw", "1f1b") == pytest.approx((1.24 + 112 / 90) / 2)
+    assert memory_extra(results, "2bw", "1f1b") == pytest.approx([6.5, 6.5])
+    met = {t.claim: t.met for t in targets(results, stages=2, microbatches=4)}
+    assert met == {
+        "our 1f1b vs torch Schedule1F1B": True,
+        "2bw vs our 1f1b": True,  # 1.242 >= 0.95 * 1.25
+        "2bw peak memory above 1f1b, per stage": False,  # 6.5 MB > one 6 MB copy
+    }
+    table = markdown([summarize(name, results) for name in results], [])
+    for name in results:
+        assert f"| {name} |" in table
+
+
+@pytest.mark.slow
+def test_quick_bench_reports_every_variant(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = parse("--quick", "--json", str(out), "--runs-dir", str(tmp_path / "runs"),
+                 "p2p_timeout_s=60")  # fmt: skip
+    assert run(args) == 0
+    report = json.loads(out.read_text())
+    assert [s["name"] for s in report["summary"]] == list(VARIANTS)
+    table = capsys.readouterr().out
+    for summary in report["summary"]:
+        assert f"| {summary['name']} |" in table
+        assert summary["tokens_per_s"] > 0
+        assert all(0 <= idle < 1 for idle in summary["idle"])
+        assert all(mb > 0 for mb in summary["peak_mem_mb"])
+        two_versions = summary["name"] in ("2bw", "2bw+ef")
+        pipedream = [2, 1]  # stage s keeps P - s versions
+        expected = pipedream if summary["name"] == "pipedream" else [2 if two_versions else 1] * 2
+        assert summary["weight_versions"] == expected
+    assert len(report["targets"]) == 4
