@@ -1,0 +1,214 @@
+"""``nobubble bench``: every schedule on our runtime and torch's, back to back, one report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import nobubble
+from nobubble.bench.report import markdown, ordered, summarize, targets
+from nobubble.bench.runner import (
+    BUSY_CORES,
+    MEMORY_STEPS,
+    BenchError,
+    run_memory_pass,
+    run_timed,
+)
+from nobubble.bench.variants import FIXED_SETTINGS, VARIANTS, Shape, Variant
+from nobubble.config import ConfigError, build_config, parse_overrides
+
+# The measured configuration of docs/benchmarks.md, and a seconds-long smoke run.
+DEFAULTS = dict(
+    steps=40, repeats=3, warmup_steps=2, batch_size=16, seq_len=256, busy_retries=2,
+    memory_pass=True,
+)  # fmt: skip
+QUICK = dict(
+    steps=4, repeats=1, warmup_steps=1, batch_size=8, seq_len=32, busy_retries=0,
+    memory_pass=False,
+)  # fmt: skip
+QUICK_MODEL = ("d_model=32", "n_layers=4", "n_heads=4", "n_kv_heads=2", "d_ff=64")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages P (default: 2)")
+    parser.add_argument(
+        "--microbatches", type=int, default=4, help="microbatches M per step (default: 4)"
+    )
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: 40)")
+    parser.add_argument("--batch-size", type=int, help="sequences per step (default: 16)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: 256)")
+    parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--repeats", type=int, help="runs of every variant, interleaved (default: 3)"
+    )
+    parser.add_argument(
+        "--warmup-steps", type=int, help="first steps left out of tokens/s (default: 2)"
+    )
+    parser.add_argument(
+        "--schedules",
+        default=",".join(VARIANTS),
+        help=f"comma-separated variants (default: all of {', '.join(VARIANTS)})",
+    )
+    parser.add_argument(
+        "--busy-retries",
+        type=int,
+        help=f"run a variant again, up to this many times, while other processes use more than "
+        f"{BUSY_CORES} cores during it (default: 2; 0 with --quick)",
+    )
+    parser.add_argument(
+        "--memory-pass",
+        action=argparse.BooleanOptionalAction,
+        help=f"on the CPU, run every variant once more for {MEMORY_STEPS} steps with RSS "
+        "following live tensors, for the memory figures (default: on; off with --quick)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a very small model for a few steps, once (a smoke test, not a measurement)",
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
+    parser.add_argument(
+        "--runs-dir", metavar="DIR", help="keep the run folders here (default: a temporary one)"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="more config settings, e.g. d_model=384"
+    )
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the flags left unset from DEFAULTS, or from QUICK with --quick."""
+    defaults = QUICK if args.quick else DEFAULTS
+    values = {
+        key: default if getattr(args, key) is None else getattr(args, key)
+        for key, default in defaults.items()
+    }
+    return argparse.Namespace(**{**vars(args), **values})
+
+
+def selected_variants(spec: str) -> list[Variant]:
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown or not names:
+        raise ConfigError(f"unknown variants {unknown}; choose from: {', '.join(VARIANTS)}")
+    return [VARIANTS[name] for name in ordered(names)]
+
+
+def common_settings(args: argparse.Namespace) -> list[str]:
+    """The settings every variant shares (the user's last), checked against ours."""
+    ours = [
+        f"preset={args.preset}",
+        f"seq_len={args.seq_len}",
+        f"device={args.device}",
+        *FIXED_SETTINGS,
+        *(QUICK_MODEL if args.quick else ()),
+    ]
+    controlled = set(parse_overrides(ours)) | {f.name for f in dataclasses.fields(Shape)}
+    controlled |= {"schedule", "out", "ef"}
+    clash = sorted(controlled & set(parse_overrides(args.overrides)))
+    if clash:
+        raise ConfigError(
+            f"the benchmark sets {', '.join(clash)} itself; use its flags (see --help)"
+        )
+    return ours + list(args.overrides)
+
+
+def source_revision() -> str | None:
+    """The git commit of the measured nobubble source (``-dirty`` with local changes)."""
+    package = Path(nobubble.__file__).parent
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=package, capture_output=True, text=True
+        )
+    except OSError:  # no git
+        return None
+    return done.stdout.strip() or None
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        models = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        cpu = models[0] if models else cpu
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "nobubble": source_revision(),
+    }
+
+
+def header(args: argparse.Namespace, info: dict[str, Any], log: list[dict]) -> str:
+    """What was run, on what, and how disturbed the machine was."""
+    others = [entry["foreign_cores"] for entry in log if entry["foreign_cores"] is not None]
+    busiest = f"{max(others):.2f}" if others else "n/a"
+    return (
+        f"P={args.stages} M={args.microbatches} steps={args.steps} batch={args.batch_size} "
+        f"seq_len={args.seq_len} preset={args.preset} {' '.join(args.overrides)}\n"
+        f"{args.device}: {info['gpu'] or info['cpu']} ×{info['cpus']}, torch {info['torch']}, "
+        f"nobubble {info['nobubble']}; medians of {args.repeats} interleaved repeats; tokens/s "
+        f"leaves out the first {args.warmup_steps} steps; other processes used at most "
+        f"{busiest} cores during a timed run"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    args = resolve(args)
+    try:
+        variants = selected_variants(args.schedules)
+        common = common_settings(args)
+        shape = Shape(args.stages, args.microbatches, args.steps, args.batch_size)
+        for variant in variants:  # every config error before the first launch
+            build_config(parse_overrides([*common, *shape.settings(variant)]))
+        with tempfile.TemporaryDirectory(prefix="nobubble-bench-") as scratch:
+            runs_dir = Path(args.runs_dir or scratch)
+            results, log = run_timed(args, variants, common, runs_dir)
+            memory = None
+            if args.memory_pass and args.device == "cpu":
+                memory = run_memory_pass(args, variants, common, runs_dir)
+    except (ConfigError, BenchError) as exc:
+        print(f"nobubble bench: error: {exc}", file=sys.stderr)
+        return 2
+    summaries = [summarize(name, results, memory) for name in results]
+    found = targets(results, memory, args.stages, args.microbatches)
+    info = machine()
+    print(header(args, info, log) + "\n")
+    print(markdown(summaries, found))
+    if args.json:
+        payload = {
+            "argv": sys.argv,
+            "args": vars(args),
+            "machine": info,
+            "runs": {name: [dataclasses.asdict(r) for r in runs] for name, runs in results.items()},
+            "memory_pass": memory
+            and {name: dataclasses.asdict(runs[0]) for name, runs in memory.items()},
+            "log": log,
+            "summary": [dataclasses.asdict(s) for s in summaries],
+            "targets": [dataclasses.asdict(t) for t in found],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nobubble bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

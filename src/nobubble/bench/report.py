@@ -1,0 +1,186 @@
+"""Medians over repeats, the issue's targets, and the markdown report."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from nobubble.bench.measure import RunResult
+from nobubble.bench.variants import BASELINE, VARIANTS
+
+Results = dict[str, list[RunResult]]  # variant -> one result per run, in repeat order
+
+# What a memory figure cannot resolve: RSS counts whole pages (each copy of a stage's ~30
+# weight tensors rounds up to pages) and the allocator's and Python's own bookkeeping.
+SLACK_MB = 1.0
+
+
+@dataclass(frozen=True)
+class VariantSummary:
+    name: str
+    tokens_per_s: float
+    ratio_to_baseline: float | None  # median of the per-repeat ratios to torch's Schedule1F1B
+    final_loss: float
+    idle: list[float | None]
+    bubble_timed: list[float] | None
+    bubble_uniform: list[float]
+    peak_mem_mb: list[float]  # of the timed runs
+    tensor_mem_mb: list[float] | None  # of the memory pass (CPU only)
+    param_mb: list[float]
+    weight_versions: list[int]
+
+
+@dataclass(frozen=True)
+class Target:
+    claim: str
+    measured: str
+    required: str
+    met: bool
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def paired_ratio(results: Results, name: str, reference: str) -> float | None:
+    """Median over repeats of ``name``'s throughput over ``reference``'s in the same repeat.
+
+    Pairing runs that ran back to back cancels most of the drift of a shared machine.
+    """
+    if name not in results or reference not in results:
+        return None
+    return statistics.median(
+        a.tokens_per_s / b.tokens_per_s
+        for a, b in zip(results[name], results[reference], strict=True)
+    )
+
+
+def _per_stage(runs: list[RunResult], value: Callable[[RunResult, int], float | None]) -> list:
+    return [_median([value(run, s) for run in runs]) for s in range(len(runs[0].stages))]
+
+
+def _peak_mb(runs: list[RunResult]) -> list[float]:
+    return _per_stage(runs, lambda run, s: run.stages[s].peak_mem_mb)
+
+
+def summarize(name: str, results: Results, memory: Results | None) -> VariantSummary:
+    runs = results[name]
+    timed = None
+    if all(run.bubble_timed is not None for run in runs):
+        timed = _per_stage(runs, lambda run, s: run.bubble_timed[s])
+    return VariantSummary(
+        name=name,
+        tokens_per_s=_median([run.tokens_per_s for run in runs]),
+        ratio_to_baseline=paired_ratio(results, name, BASELINE),
+        final_loss=_median([run.final_loss for run in runs]),
+        idle=_per_stage(runs, lambda run, s: run.stages[s].idle_fraction),
+        bubble_timed=timed,
+        bubble_uniform=runs[0].bubble_uniform,
+        peak_mem_mb=_peak_mb(runs),
+        tensor_mem_mb=_peak_mb(memory[name]) if memory else None,
+        param_mb=_per_stage(runs, lambda run, s: run.stages[s].param_mb),
+        weight_versions=[
+            max(run.stages[s].weight_versions for run in runs) for s in range(len(runs[0].stages))
+        ],
+    )
+
+
+def memory_extra(results: Results, name: str, reference: str) -> list[float]:
+    """Per stage, the median over repeats of ``name``'s peak memory minus ``reference``'s."""
+    pairs = list(zip(results[name], results[reference], strict=True))
+    return [
+        statistics.median(a.stages[s].peak_mem_mb - b.stages[s].peak_mem_mb for a, b in pairs)
+        for s in range(len(pairs[0][0].stages))
+    ]
+
+
+def _speed_targets(results: Results, stages: int, microbatches: int) -> list[Target]:
+    found = []
+    ratio = paired_ratio(results, "1f1b", BASELINE)
+    if ratio is not None:
+        found.append(
+            Target("our 1f1b vs torch Schedule1F1B", f"{ratio:.3f}×", "≥ 0.950×", ratio >= 0.95)
+        )
+    ratio = paired_ratio(results, "2bw", "1f1b")
+    if ratio is not None:
+        ideal = (microbatches + stages - 1) / microbatches
+        found.append(
+            Target(
+                "2bw vs our 1f1b",
+                f"{ratio:.3f}×",
+                f"≥ 0.95 × (M+P-1)/M = {0.95 * ideal:.3f}×",
+                ratio >= 0.95 * ideal,
+            )
+        )
+    return found
+
+
+def _memory_targets(memory: Results) -> list[Target]:
+    found = []
+    for name in ("2bw", "2bw+ef"):
+        if name in memory and "1f1b" in memory:
+            extra = memory_extra(memory, name, "1f1b")
+            copies = 2 if name == "2bw+ef" else 1  # the second weight copy (+ the EF buffer)
+            param_mb = _per_stage(memory[name], lambda run, s: run.stages[s].param_mb)
+            budget = [copies * p for p in param_mb]
+            found.append(
+                Target(
+                    f"{name} peak memory above 1f1b, per stage",
+                    " / ".join(f"{e:+.2f} MB" for e in extra),
+                    "≤ " + " / ".join(f"{b:.2f} MB" for b in budget) + f" (+{SLACK_MB:g} MB)",
+                    all(e <= b + SLACK_MB for e, b in zip(extra, budget, strict=True)),
+                )
+            )
+    return found
+
+
+def targets(
+    results: Results, memory: Results | None, stages: int, microbatches: int
+) -> list[Target]:
+    """The issue's targets that the selected variants allow; memory from the memory pass if
+    there was one (CPU), else from the timed runs (CUDA: allocated tensor memory)."""
+    return _speed_targets(results, stages, microbatches) + _memory_targets(memory or results)
+
+
+def _percentages(values: Sequence[float | None] | None) -> str:
+    if values is None:
+        return "n/a"
+    return " / ".join("n/a" if v is None else f"{100 * v:.1f}%" for v in values)
+
+
+def _megabytes(values: Sequence[float] | None) -> str:
+    return "n/a" if values is None else " / ".join(f"{v:.0f}" for v in values)
+
+
+def markdown(summaries: list[VariantSummary], found: list[Target]) -> str:
+    """The results table and the targets, as markdown; per-stage cells list stage 0 first."""
+    lines = [
+        "| variant | tokens/s | × torch 1F1B | final loss | idle (measured) "
+        "| bubble (sim, measured stage times) | bubble (sim, F=1 B=2) "
+        "| peak memory MB | peak MB, memory pass | weight copies |",
+        "|---|---:|---:|---:|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        ratio = "n/a" if s.ratio_to_baseline is None else f"{s.ratio_to_baseline:.3f}"
+        lines.append(
+            f"| {s.name} | {s.tokens_per_s:,.0f} | {ratio} | {s.final_loss:.4f} "
+            f"| {_percentages(s.idle)} | {_percentages(s.bubble_timed)} "
+            f"| {_percentages(s.bubble_uniform)} | {_megabytes(s.peak_mem_mb)} "
+            f"| {_megabytes(s.tensor_mem_mb)} | {' / '.join(map(str, s.weight_versions))} |"
+        )
+    param = " / ".join(f"{p:.2f}" for p in summaries[0].param_mb) if summaries else "n/a"
+    lines += ["", f"One weight copy per stage: {param} MB.", ""]
+    if found:
+        lines += ["| target | measured | required | met |", "|---|---|---|---|"]
+        lines += [
+            f"| {t.claim} | {t.measured} | {t.required} | {'yes' if t.met else 'NO'} |"
+            for t in found
+        ]
+    return "\n".join(lines)
+
+
+def ordered(names: Sequence[str]) -> list[str]:
+    """``names`` in the order of :data:`VARIANTS` (ours first, then torch's)."""
+    return [name for name in VARIANTS if name in names]

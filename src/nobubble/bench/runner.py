@@ -1,0 +1,122 @@
+"""Launching the benchmark's runs: timed repeats, interleaved, and the CPU memory pass."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from nobubble.bench.load import ForeignLoad
+from nobubble.bench.measure import RunResult, read_run
+from nobubble.bench.report import Results
+from nobubble.bench.variants import Shape, Variant, command
+
+BUSY_CORES = 0.1  # CPU use of other processes above which a timed run counts as disturbed
+# glibc gives every allocation of 64 KiB or more its own mapping and unmaps it when freed, so
+# peak RSS follows the tensors alive at once instead of the allocator's high-water mark. It
+# makes training about a third slower, hence a separate, short pass.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+MEMORY_STEPS = 6
+
+
+class BenchError(RuntimeError):
+    """A benchmark run failed; the message holds its command and the end of its output."""
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """One intra-op thread per stage unless the caller chose otherwise (torchrun's default)."""
+    return {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _failure_lines(output: str) -> str:
+    """The lines that say what went wrong (any rank), then the end of the output."""
+    errors = [ln for ln in output.splitlines() if "rror" in ln or "terminate" in ln]
+    return "\n".join([*dict.fromkeys(errors)][-10:]) + "\n...\n" + output[-2000:]
+
+
+def launch(
+    variant: Variant, stages: int, out: Path, settings: list[str], env: dict[str, str]
+) -> int:
+    """Run one variant to the end; return its exit code.
+
+    A run whose summary exists trained to the end, so its figures stand even if a process then
+    crashed while shutting down: that only gets a warning.
+    """
+    cmd = command(variant, stages, out, settings)
+    done = subprocess.run(cmd, env=child_env(env), capture_output=True, text=True)
+    if done.returncode != 0 and not (out / "summary.json").exists():
+        raise BenchError(
+            f"{variant.name} failed with exit code {done.returncode}:\n{' '.join(cmd)}\n"
+            + _failure_lines(done.stdout + done.stderr)
+        )
+    if done.returncode != 0:
+        print(
+            f"warning: {variant.name} exited with code {done.returncode} after writing its "
+            f"summary; its figures are kept:\n{_failure_lines(done.stdout + done.stderr)}",
+            file=sys.stderr,
+        )
+    return done.returncode
+
+
+def timed_run(
+    variant: Variant, stages: int, out: Path, settings: list[str], retries: int
+) -> dict[str, Any]:
+    """Run ``variant``, again (up to ``retries`` times) while other processes took CPU time."""
+    for attempt in range(retries + 1):
+        with ForeignLoad() as load:
+            code = launch(variant, stages, out, settings, {})
+        if load.cores is None or load.cores <= BUSY_CORES or attempt == retries:
+            break
+        print(
+            f"  {variant.name}: other processes used {load.cores:.2f} cores; running it again",
+            file=sys.stderr,
+        )
+    return {"exit_code": code, "foreign_cores": load.cores, "attempts": attempt + 1}
+
+
+def _folder(variant: Variant) -> str:
+    return variant.name.replace("+", "-")
+
+
+def run_timed(
+    args: argparse.Namespace, variants: list[Variant], common: list[str], runs_dir: Path
+) -> tuple[Results, list[dict]]:
+    """Every variant ``args.repeats`` times, interleaved (A B C, C B A, ...) so that drift
+    hits all of them alike; the log says how disturbed each run was."""
+    shape = Shape(args.stages, args.microbatches, args.steps, args.batch_size)
+    skip_tokens = args.warmup_steps * args.batch_size * args.seq_len
+    results: Results = {v.name: [] for v in variants}
+    log = []
+    for repeat in range(args.repeats):
+        for variant in variants if repeat % 2 == 0 else variants[::-1]:
+            out = runs_dir / f"{repeat}-{_folder(variant)}"
+            settings = [*common, *shape.settings(variant)]
+            info = timed_run(variant, args.stages, out, settings, args.busy_retries)
+            result: RunResult = read_run(out, skip_tokens)
+            results[variant.name].append(result)
+            log.append({"repeat": repeat, "variant": variant.name, **info})
+            others = "n/a" if info["foreign_cores"] is None else f"{info['foreign_cores']:.2f}"
+            print(
+                f"[{repeat + 1}/{args.repeats}] {variant.name:12s} {result.tokens_per_s:10,.0f}"
+                f" tokens/s  (other processes: {others} cores)",
+                file=sys.stderr,
+            )
+    return results, log
+
+
+def run_memory_pass(
+    args: argparse.Namespace, variants: list[Variant], common: list[str], runs_dir: Path
+) -> Results:
+    """Every variant once more for a few steps under :data:`MEMORY_ENV` (CPU only)."""
+    shape = Shape(args.stages, args.microbatches, min(args.steps, MEMORY_STEPS), args.batch_size)
+    results: Results = {}
+    for variant in variants:
+        out = runs_dir / f"memory-{_folder(variant)}"
+        launch(variant, args.stages, out, [*common, *shape.settings(variant)], MEMORY_ENV)
+        results[variant.name] = [read_run(out, skip_tokens=0)]
+        peaks = " / ".join(f"{s.peak_mem_mb:.0f}" for s in results[variant.name][0].stages)
+        print(f"[memory] {variant.name:12s} peak {peaks} MB", file=sys.stderr)
+    return results

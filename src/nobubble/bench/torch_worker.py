@@ -1,0 +1,185 @@
+"""The external baseline of ``nobubble bench``: one stage of ``torch.distributed.pipelining``.
+
+Launched under torchrun (one process per stage) with the same ``key=value`` settings as
+``nobubble train``, it builds what our runtime builds (the same :class:`~nobubble.model.Stage`
+modules from :func:`~nobubble.model.partition`, the same data from
+:func:`~nobubble.data.build_data` on the first and last stage, the same optimizer, per-stage
+clipping and learning-rate schedule) and trains them with torch's ``ScheduleGPipe`` or
+``Schedule1F1B``. The loss convention is ours: :func:`~nobubble.model.lm_loss` is the mean token
+loss of a microbatch and ``scale_grads=True`` divides the accumulated gradients by M.
+
+It writes a run folder that reads like ours: ``metrics.jsonl`` (``step``, ``train_loss``,
+``tokens``, ``tokens_per_s``, timed at stage 0's optimizer step) and ``summary.json``
+(``tokens_per_s``, ``train_s``, ``stages`` with idle time and peak memory).
+
+Idle time is the time spent in ``schedules._wait_batch_p2p`` (torch's only blocking wait on
+peers), measured on gloo only: on NCCL that call returns before the transfer is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from nobubble.config import TrainConfig, build_config, parse_overrides
+from nobubble.data import build_data
+from nobubble.engine import clip_stage, peak_memory_mb
+from nobubble.model import Stage, lm_loss, model_config, partition
+from nobubble.optim import build_optimizer, lr_at, set_lr
+from nobubble.pipeline.launch import device_and_backend
+from nobubble.runfolder import RunFolder
+from nobubble.simulated import autocast
+from nobubble.train import configure_torch
+
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class P2PWaitClock:
+    """Accumulates the time torch's schedules spend blocked in ``_wait_batch_p2p``."""
+
+    def __init__(self) -> None:
+        self.waited_s = 0.0
+        self._original: Callable[[list[dist.Work]], None] = torch_schedules._wait_batch_p2p
+
+    def _timed_wait(self, work: list[dist.Work]) -> None:
+        started = time.perf_counter()
+        try:
+            self._original(work)
+        finally:
+            self.waited_s += time.perf_counter() - started
+
+    def __enter__(self) -> P2PWaitClock:
+        torch_schedules._wait_batch_p2p = self._timed_wait
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch_schedules._wait_batch_p2p = self._original
+
+
+def _gather(value: Any) -> list[Any] | None:
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+class TorchStageRunner:
+    """This rank's stage, optimizer and torch schedule; ``train`` returns its measurements."""
+
+    def __init__(self, cfg: TrainConfig, schedule: str, run_dir: Path, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.first, self.last = self.rank == 0, self.rank == self.world - 1
+        data = build_data(cfg, run_dir) if self.first else None
+        vocab = [data.tokenizer.vocab_size if data else None]
+        dist.broadcast_object_list(vocab, src=0)
+        if self.last and not self.first:
+            data = build_data(cfg, run_dir)  # reuses the tokenizer stage 0 saved
+        self.batches = data.train if data else None
+        mc = model_config(cfg, vocab[0])
+        specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+        self.module = Stage(mc, specs[self.rank], cfg.seed).to(device)
+        self.optimizer = build_optimizer(list(self.module.named_parameters()), cfg)
+        stage = PipelineStage(self.module, self.rank, self.world, device)
+        self.schedule = TORCH_SCHEDULES[schedule](
+            stage, cfg.microbatches, loss_fn=lm_loss, scale_grads=True
+        )
+
+    def pipeline_step(self) -> float:
+        """One schedule step (all microbatches) and the mean microbatch loss (last stage)."""
+        batch = self.batches.next_batch().to(self.device) if self.batches else None
+        inputs = (batch[:, :-1],) if self.first else ()
+        target = batch[:, 1:] if self.last else None
+        losses: list[torch.Tensor] = []
+        with autocast(self.device, self.cfg.dtype):
+            self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        return sum(loss.item() for loss in losses) / len(losses) if losses else float("nan")
+
+    def optimizer_step(self, step: int) -> None:
+        """The same update rule as our STEP: per-stage clipping, scheduled LR, optimizer."""
+        clip_stage(self.module.parameters(), self.cfg.grad_clip)
+        set_lr(self.optimizer, lr_at(step, self.cfg))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train(self) -> dict[str, Any]:
+        losses, step_ends = [], []
+        dist.barrier()
+        with P2PWaitClock() as clock:
+            started = time.perf_counter()
+            for step in range(self.cfg.steps):
+                losses.append(self.pipeline_step())
+                self.optimizer_step(step)  # clipping reads the norm: a device sync per step
+                step_ends.append(time.perf_counter() - started)
+        wall = step_ends[-1]
+        idle = clock.waited_s if self.device.type == "cpu" else None
+        param_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        return {
+            "losses": losses,
+            "step_ends": step_ends,
+            "stage": {
+                "stage": self.rank,
+                "blocks": len(self.module.blocks),
+                "train_wall_s": wall,
+                "idle_s": idle,
+                "idle_fraction": None if idle is None else idle / wall,
+                "peak_mem_mb": peak_memory_mb(self.device),
+                "param_mb": param_bytes / 2**20,
+                "weight_versions_peak": 1,
+            },
+        }
+
+
+def write_run(cfg: TrainConfig, run: RunFolder, reports: list[dict[str, Any]]) -> None:
+    """Stage 0's step times and the last stage's losses, in our run-folder format."""
+    step_ends, losses = reports[0]["step_ends"], reports[-1]["losses"]
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    for step, (seconds, loss) in enumerate(zip(step_ends, losses, strict=True), start=1):
+        tokens = step * tokens_per_step
+        run.append_metrics(
+            {"step": step, "train_loss": loss, "tokens": tokens, "tokens_per_s": tokens / seconds}
+        )
+    run.write_summary(
+        {
+            "tokens_per_s": cfg.steps * tokens_per_step / step_ends[-1],
+            "train_s": step_ends[-1],
+            "steps": cfg.steps,
+            "peak_mem_mb": reports[0]["stage"]["peak_mem_mb"],
+            "stages": [report["stage"] for report in reports],
+        }
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m nobubble.bench.torch_worker", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--schedule", choices=sorted(TORCH_SCHEDULES), required=True)
+    parser.add_argument("--out", required=True, help="run folder to create")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config settings")
+    args = parser.parse_args(argv)
+    cfg = build_config(parse_overrides(args.overrides), {"out": args.out})
+    configure_torch(cfg)
+    device, backend = device_and_backend(cfg)
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    try:
+        run_dir = Path(args.out)
+        run = RunFolder.create(cfg, overwrite=True) if dist.get_rank() == 0 else None
+        dist.barrier()  # the run folder exists before any stage writes into it
+        reports = _gather(TorchStageRunner(cfg, args.schedule, run_dir, device).train())
+        if run is not None:
+            write_run(cfg, run, reports)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

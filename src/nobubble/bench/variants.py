@@ -1,0 +1,76 @@
+"""What the benchmark runs: the variants, their settings and their torchrun command lines."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+NOBUBBLE, TORCH = "nobubble", "torch"
+BASELINE = "torch-1f1b"  # the ratios of the report are to this variant
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    schedule: str  # our --schedule, or the torch schedule the worker runs
+    backend: str = NOBUBBLE
+    extra: tuple[str, ...] = ()  # key=value settings of this variant only
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("gpipe", "gpipe"),
+        Variant("1f1b", "1f1b"),
+        Variant("2bw", "2bw"),
+        Variant("2bw+ef", "2bw", extra=("ef=true",)),
+        Variant("pipedream", "pipedream"),
+        Variant("torch-gpipe", "gpipe", TORCH),
+        Variant(BASELINE, "1f1b", TORCH),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The training shape every variant shares."""
+
+    stages: int
+    microbatches: int
+    steps: int
+    batch_size: int
+
+    def settings(self, variant: Variant) -> list[str]:
+        """The shape as ``key=value`` settings for ``variant``.
+
+        PipeDream steps after every microbatch, so it runs microbatch-sized steps, M times as
+        many: the same microbatches and the same tokens as the other variants.
+        """
+        micro, steps, batch = self.microbatches, self.steps, self.batch_size
+        if variant.schedule == "pipedream":
+            micro, steps, batch = 1, steps * micro, batch // micro
+        return [
+            f"schedule={variant.schedule}",
+            f"stages={self.stages}",
+            f"microbatches={micro}",
+            f"steps={steps}",
+            f"batch_size={batch}",
+            *variant.extra,
+        ]
+
+
+# One segment (no evaluation or checkpoint inside the run): the final evaluation and checkpoint
+# come after the training time that throughput is measured on.
+FIXED_SETTINGS = ("eval_every=0", "eval_batches=1", "checkpoint_every=0", "log_every=1")
+
+
+def command(variant: Variant, stages: int, out: Path, settings: list[str]) -> list[str]:
+    """The torchrun command line of one run: ``nobubble train`` or the torch baseline worker."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += [f"--nproc-per-node={stages}", "-m"]
+    if variant.backend == TORCH:
+        program = ["nobubble.bench.torch_worker", "--schedule", variant.schedule]
+    else:
+        program = ["nobubble", "train", "--no-progress", "--overwrite"]
+    return [*launcher, *program, "--out", str(out), *settings]
