@@ -88,7 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nobubble import report, sweep
+    from nobubble import bench, report, sweep
     from nobubble.schedules import cli as schedule_cli
 
     parser = argparse.ArgumentParser(
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("schedule", schedule_cli, "simulate and draw a pipeline schedule"),
         ("sweep", sweep, "train every run of a grid, N at a time (resumable)"),
         ("report", report, "tables and plots from run folders"),
+        ("bench", bench, "pipeline throughput and memory: every schedule vs torch's pipelining"),
     )
     for name, module, help_text in tools:
         sub = commands.add_parser(name, help=help_text)

@@ -42,8 +42,17 @@ class PendingRecv:
     what: str
 
 
+SEND_WINDOW = 16  # sends kept in flight before the oldest is waited for
+
+
 class Messenger:
-    """Asynchronous sends and receives of one rank, with a timeout on every wait."""
+    """Asynchronous sends and receives of one rank, with a timeout on every wait.
+
+    A send's tensor must stay alive until the send completes, and gloo reports completion only
+    through ``wait()``; so at most ``SEND_WINDOW`` sends stay outstanding and beyond that the
+    oldest is waited for (its receiver takes messages in the order they were sent, and a window
+    this deep is far older than any message a peer could still be waiting for first).
+    """
 
     def __init__(self, rank: int, timeout_s: float) -> None:
         self.rank = rank
@@ -54,7 +63,9 @@ class Messenger:
     def send(self, tensor: torch.Tensor, peer: int, channel: Channel, sequence: int) -> None:
         tensor = tensor.detach().contiguous()
         self.sends.append((dist.isend(tensor, peer, tag=tag(channel, sequence)), tensor))
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        if len(self.sends) > SEND_WINDOW:
+            self._wait_sends(self.sends[:-SEND_WINDOW])
+            del self.sends[:-SEND_WINDOW]
 
     def post_recv(
         self,
@@ -91,9 +102,13 @@ class Messenger:
 
     def drain(self) -> None:
         """Wait for every send of this rank to be received."""
+        self._wait_sends(self.sends)
+        self.sends.clear()
+
+    def _wait_sends(self, sends: list[tuple[dist.Work, torch.Tensor]]) -> None:
         started = time.perf_counter()
         try:
-            for work, _ in self.sends:
+            for work, _ in sends:
                 work.wait(self.timeout)
         except RuntimeError as exc:
             raise PeerTimeout(
@@ -102,4 +117,3 @@ class Messenger:
             ) from None
         finally:
             self.waited_s += time.perf_counter() - started
-        self.sends.clear()

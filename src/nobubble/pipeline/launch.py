@@ -50,7 +50,8 @@ def _broadcast(value: object) -> object:
     return box[0]
 
 
-def _device(cfg: TrainConfig) -> tuple[torch.device, str]:
+def device_and_backend(cfg: TrainConfig) -> tuple[torch.device, str]:
+    """This rank's device (one GPU per local rank) and the process-group backend for it."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -95,7 +96,7 @@ def train_pipeline(
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     check_world(cfg, world)
     configure_torch(cfg)
-    device, backend = _device(cfg)
+    device, backend = device_and_backend(cfg)
     timeout = datetime.timedelta(seconds=cfg.p2p_timeout_s)
     dist.init_process_group(
         backend,
@@ -133,6 +134,7 @@ def train_pipeline(
         dist.barrier()
         with stop_on_signals(announce=rank == 0) as stop:
             run_training(cfg, run, data, engine, stop)
+        dist.barrier()  # nobody tears the group down while a peer still talks to it
         return run.path
     finally:
         dist.destroy_process_group()

@@ -250,7 +250,7 @@ class _Segment:
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
         self.input_grads: dict[int, torch.Tensor] = {}
         self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
 
     def clear(self, step: int, should_stop: Callable[[], bool]) -> bool:
@@ -341,7 +341,7 @@ class _Segment:
             out = functional_call(e.module, e.store[action.version], (x,))
         if e.last:
             out = lm_loss(out, rows[:, 1:])
-            self.losses[action.step] = self.losses.get(action.step, 0.0) + out.item()
+            self.losses[action.step] = self.losses.get(action.step, 0.0) + out.detach().double()
         self.stash[action.microbatch] = (x, out)
 
     def backward(self, action: Action) -> None:
@@ -357,7 +357,8 @@ class _Segment:
     def step(self, step: int) -> None:
         e = self.e
         norm, ok, lr = e.apply_step(step)
-        loss = self.losses.pop(step, math.nan) / e.micro_per_step
+        total = self.losses.pop(step, None)
+        loss = math.nan if total is None else total.item() / e.micro_per_step
         report = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
         if e.rank != 0:
             e.messenger.send(report.to(e.device), 0, Channel.STATS, step)
