@@ -70,9 +70,10 @@ def sem(values):
 def test_table_numbers_match_hand_computations(runs_dir, tmp_path):
     assert call(str(runs_dir), "--out", str(tmp_path / "out")) == 0
     text = (tmp_path / "out" / "report.md").read_text()
+    quality = text.split("## Delay gap during training")[0]
     rows = {
         tuple(cell.strip() for cell in line.split("|")[1:3]): line
-        for line in text.splitlines()
+        for line in quality.splitlines()
         if line.startswith("| adamw") or line.startswith("| muon")
     }
     sync, delayed, ef = ADAMW["sync"], ADAMW["2bw"], ADAMW["2bw+EF"]
@@ -148,3 +149,16 @@ def test_folders_that_are_not_runs(tmp_path):
     assert len(runs) == 1 and "same settings and seed as" in warnings[0]
     with pytest.raises(ReportError, match="no finished runs matching optim=muon"):
         call(str(tmp_path), "--where", "optim=muon")
+
+
+def test_gap_during_training(runs_dir, tmp_path):
+    """The gap at each quarter point is the mean of the delayed curve minus the baseline's."""
+    assert call(str(runs_dir), "--where", "optim=adamw", "--out", str(tmp_path)) == 0
+    text = (tmp_path / "report.md").read_text()
+    section = text.split("## Delay gap during training")[1]
+    row = next(line for line in section.splitlines() if line.startswith("| adamw | 2bw |"))
+    gap = statistics.fmean(ADAMW["2bw"]) - statistics.fmean(ADAMW["sync"])
+    # evaluations at steps 0, 50, 100: a quarter and a half of training both pick step 50
+    # (step 0, before any update, never counts); every curve is `final + 1` there
+    assert row.endswith(f"| {gap:+.4f} (50) | {gap:+.4f} (50) | {gap:+.4f} (100) |")
+    assert "| adamw | sync |" not in section  # a baseline has no gap to itself

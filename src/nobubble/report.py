@@ -14,7 +14,7 @@ from pathlib import Path
 from nobubble.config import FIELDS, unknown_key_error
 from nobubble.reporting.groups import CLEAR_GAP_SE, Comparison, Group, compare, group_runs
 from nobubble.reporting.runs import ReportError, discover, matches, parse_filter
-from nobubble.reporting.table import quality_table, target_table
+from nobubble.reporting.table import gap_during_training_table, quality_table, target_table
 from nobubble.reporting.target import target_rows
 
 QUALITY_NOTE = f"""Final validation loss (mean token cross-entropy) and bits per byte: mean ± \
@@ -29,6 +29,11 @@ TARGET_NOTE = """Target: the synchronous baseline's mean final validation loss. 
 training time (evaluations excluded) until the validation loss first reaches it, interpolated \
 between evaluations; mean ± std over the seeds that reached it. The baseline's own time is its \
 full training time. Speed-up: baseline time / time to target."""
+
+GAP_NOTE = """Mean validation loss of each group minus its synchronous baseline's, at the \
+evaluation nearest to a quarter, half and all of training (steps where every seed of both was \
+evaluated). Read it beside the learning-rate schedule: a stale gradient costs more the larger \
+the steps, so a gap may shrink as the learning rate decays rather than as training goes on."""
 
 NO_BASELINE = "No group has a synchronous baseline with the same settings to take a target from."
 
@@ -103,6 +108,9 @@ def render(
         quality_table(rows),
         QUALITY_NOTE,
     ]
+    gaps = gap_during_training_table(rows)
+    if gaps is not None:
+        parts += ["## Delay gap during training", gaps, GAP_NOTE]
     if target is not None:
         parts += ["## Time to target", target, TARGET_NOTE]
     parts.append("## Plots")

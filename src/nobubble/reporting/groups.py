@@ -78,6 +78,19 @@ class Group:
     def bpb(self) -> Stat:
         return Stat.of([float(r.summary["final_val_bpb"]) for r in self.runs])
 
+    @property
+    def curve(self) -> dict[int, float]:
+        """Mean validation loss per evaluation step, over steps every seed was evaluated at."""
+        losses: dict[int, list[float]] = {}
+        for run in self.runs:
+            for point in run.evals:
+                losses.setdefault(point.step, []).append(point.val_loss)
+        return {
+            step: statistics.fmean(values)
+            for step, values in sorted(losses.items())
+            if len(values) == len(self.runs)
+        }
+
     def without(self, *keys: str) -> dict[str, Any]:
         return {k: v for k, v in self.settings.items() if k not in keys}
 
@@ -128,6 +141,22 @@ class Comparison:
     @property
     def gap_is_clear(self) -> bool:
         return self.gap is not None and self.gap > CLEAR_GAP_SE * (self.gap_se or 0.0)
+
+    def gap_during_training(self, fractions: Sequence[float]) -> list[tuple[int, float]] | None:
+        """(step, mean gap) at the evaluation nearest to each fraction of training.
+
+        Only steps where both this group and its baseline were evaluated count; the first
+        evaluation, before any update, is left out (the gap there is zero by construction).
+        """
+        if self.baseline is None:
+            return None
+        mine, base = self.group.curve, self.baseline.curve
+        steps = [s for s in mine if s in base and s > 0]
+        if not steps:
+            return None
+        last = steps[-1]
+        picked = [min(steps, key=lambda s, f=f: (abs(s - f * last), s)) for f in fractions]
+        return [(s, mine[s] - base[s]) for s in picked]
 
 
 def find_baseline(group: Group, groups: Sequence[Group]) -> Group | None:

@@ -74,6 +74,23 @@ def quality_table(rows: Sequence[Comparison]) -> str:
     return markdown_table(header, body)
 
 
+GAP_FRACTIONS = (0.25, 0.5, 1.0)
+
+
+def gap_during_training_table(rows: Sequence[Comparison]) -> str | None:
+    """The delay gap at a quarter, half and all of training; None without delayed groups."""
+    found = [(r, r.gap_during_training(GAP_FRACTIONS)) for r in rows]
+    found = [(r, gaps) for r, gaps in found if gaps]
+    if not found:
+        return None
+    keys = varied_keys([r.group for r, _ in found], exclude=COLUMN_KEYS)
+    header = [*_who_header(keys), *(f"gap at {f:.0%} (step)" for f in GAP_FRACTIONS)]
+    body = [
+        [*_who(r.group, keys), *(f"{gap:+.4f} ({step})" for step, gap in gaps)] for r, gaps in found
+    ]
+    return markdown_table(header, body)
+
+
 def target_table(rows: Sequence[TargetRow], all_groups: Sequence[Group]) -> str:
     keys = varied_keys(all_groups, exclude=COLUMN_KEYS)
     header = [*_who_header(keys), "target val loss", "time to target (s)", "reached", "speed-up"]
