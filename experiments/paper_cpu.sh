@@ -32,4 +32,6 @@ report ablation "Momentum ablation: muon momentum, adamw beta1" "$RUNS/main" "$R
     --where optim=adamw,muon --where ef=false --vs momentum beta1
 report time_to_target "Time to target: 1f1b vs 2bw+EF, 2-stage pipeline under torchrun" \
     "$RUNS/time_to_target" --time-to-target
+report muon_lr_edge "Muon one learning rate beyond the grid: 1e-2 vs 3e-2" \
+    "$RUNS/main" "$RUNS/muon_lr_edge" --where optim=muon
 exit $status

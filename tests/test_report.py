@@ -116,6 +116,15 @@ def test_time_to_target(runs_dir, tmp_path):
     # The sync baseline takes its full 100 s; 2bw+EF never gets below the target.
     assert f"| adamw | sync | stages=1 | {target:.4f} | 100.0 ± 0.0 | 3/3 | 1.00× |" in text
     assert f"| adamw | 2bw+EF | stages=1 | {target:.4f} | not reached | 0/3 | — |" in text
+    # The reverse: each sync run falls linearly from final + 1 at 50 s to final at 100 s, so it
+    # reaches 2bw+EF's mean final loss L at 50 + 50 * (final + 1 - L) seconds.
+    reverse = text.split("### The reverse")[1]
+    ef_loss = statistics.fmean(ADAMW["2bw+EF"])
+    times = [50 + 50 * (final + 1 - ef_loss) for final in ADAMW["sync"]]
+    row = next(line for line in reverse.splitlines() if line.startswith("| adamw | 2bw+EF |"))
+    time_cell = f"{statistics.fmean(times):.1f} ± {statistics.stdev(times):.1f}"
+    assert f"| {ef_loss:.4f} | 100.0 ± 0.0 | {time_cell} | 3/3 |" in row
+    assert row.endswith(f"| {statistics.fmean(times) / 100:.2f}× |")
 
 
 def test_time_to_reach_interpolates_between_evaluations():

@@ -14,8 +14,13 @@ from pathlib import Path
 from nobubble.config import FIELDS, unknown_key_error
 from nobubble.reporting.groups import CLEAR_GAP_SE, Comparison, Group, compare, group_runs
 from nobubble.reporting.runs import ReportError, discover, matches, parse_filter
-from nobubble.reporting.table import gap_during_training_table, quality_table, target_table
-from nobubble.reporting.target import target_rows
+from nobubble.reporting.table import (
+    gap_during_training_table,
+    quality_table,
+    reverse_table,
+    target_table,
+)
+from nobubble.reporting.target import reverse_rows, target_rows
 
 QUALITY_NOTE = f"""Final validation loss (mean token cross-entropy) and bits per byte: mean ± \
 standard deviation over seeds. *gap vs sync*: mean final loss minus that of the synchronous run \
@@ -28,12 +33,18 @@ could explain means nothing."""
 TARGET_NOTE = """Target: the synchronous baseline's mean final validation loss. Time to target: \
 training time (evaluations excluded) until the validation loss first reaches it, interpolated \
 between evaluations; mean ± std over the seeds that reached it. The baseline's own time is its \
-full training time. Speed-up: baseline time / time to target."""
+full training time. Speed-up: baseline time / time to target.
+
+The reverse question, for a delayed run that ends above the target: how long the baseline needs \
+to reach the delayed run's own final loss (interpolated the same way), against the delayed run's \
+full training time. A speed-up below 1 means the baseline gets to that quality first."""
 
 GAP_NOTE = """Mean validation loss of each group minus its synchronous baseline's, at the \
 evaluation nearest to a quarter, half and all of training (steps where every seed of both was \
 evaluated). Read it beside the learning-rate schedule: a stale gradient costs more the larger \
 the steps, so a gap may shrink as the learning rate decays rather than as training goes on."""
+
+REVERSE_HEADING = "### The reverse: the baseline's time to each delayed run's final loss"
 
 NO_BASELINE = "No group has a synchronous baseline with the same settings to take a target from."
 
@@ -137,7 +148,11 @@ def run(args: argparse.Namespace) -> int:
     target = None
     if args.time_to_target:
         found = target_rows(rows)
-        target = target_table(found, groups) if found else NO_BASELINE
+        if found:
+            reverse = reverse_table(reverse_rows(rows), groups)
+            target = f"{target_table(found, groups)}\n\n{REVERSE_HEADING}\n\n{reverse}"
+        else:
+            target = NO_BASELINE
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     figures = draw_plots(groups, args.vs, out)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nobubble.reporting.groups import Comparison, Group, Stat, varied_keys
-from nobubble.reporting.target import TargetRow
+from nobubble.reporting.target import ReverseRow, TargetRow
 
 COLUMN_KEYS = ("optim", "schedule", "ef")  # shown in their own columns, not under "settings"
 
@@ -100,6 +100,30 @@ def target_table(rows: Sequence[TargetRow], all_groups: Sequence[Group]) -> str:
             f"{r.target:.4f}",
             "not reached" if r.time is None else fmt_stat(r.time, digits=1),
             f"{r.reached}/{len(r.group.runs)}",
+            "—" if r.speedup is None else f"{r.speedup:.2f}×",
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, body)
+
+
+def reverse_table(rows: Sequence[ReverseRow], all_groups: Sequence[Group]) -> str:
+    keys = varied_keys(all_groups, exclude=COLUMN_KEYS)
+    header = [
+        *_who_header(keys),
+        "its final val loss",
+        "its time (s)",
+        "baseline's time to it (s)",
+        "reached",
+        "speed-up",
+    ]
+    body = [
+        [
+            *_who(r.group, keys),
+            f"{r.target:.4f}",
+            fmt_stat(r.own_time, digits=1),
+            "not reached" if r.baseline_time is None else fmt_stat(r.baseline_time, digits=1),
+            f"{r.reached}/{len(r.baseline.runs)}",
             "—" if r.speedup is None else f"{r.speedup:.2f}×",
         ]
         for r in rows

@@ -4,6 +4,9 @@ The target is the synchronous baseline's mean final validation loss. A run's tim
 the training time (``train_time_s``: evaluations excluded) at which its validation loss first
 falls to the target, interpolated linearly between evaluation points. The baseline's own time is
 its full training time, since it reaches that quality (on average) at its last step.
+
+A delayed run that never reaches the target may still be worth its speed at the quality it does
+reach: the reverse comparison times the baseline to the delayed group's own final loss.
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ class TargetRow:
     time: Stat | None  # over the runs that reached the target; None if none did
     reached: int
     speedup: float | None  # baseline time / this time
+
+
+@dataclass(frozen=True)
+class ReverseRow:
+    """How long the baseline needs to reach a delayed group's final loss."""
+
+    group: Group  # the delayed group
+    baseline: Group
+    target: float  # its mean final validation loss
+    own_time: Stat  # its full training time
+    baseline_time: Stat | None  # over the baseline runs that reached the target
+    reached: int  # baseline runs that did
+    speedup: float | None  # baseline time / own time
 
 
 def time_to_reach(evals: Sequence[EvalPoint], target: float) -> float | None:
@@ -55,7 +71,27 @@ def target_rows(rows: Sequence[Comparison]) -> list[TargetRow]:
             baselines.append(row.baseline)
     for baseline in baselines:
         target = baseline.loss.mean
-        own = Stat.of([run.evals[-1].train_time_s for run in baseline.runs])
+        own = _final_times(baseline)
         out.append(TargetRow(baseline, target, own, len(baseline.runs), 1.0))
         out += [_row(r.group, target, own) for r in rows if r.baseline is baseline]
+    return out
+
+
+def _final_times(group: Group) -> Stat:
+    return Stat.of([run.evals[-1].train_time_s for run in group.runs])
+
+
+def reverse_rows(rows: Sequence[Comparison]) -> list[ReverseRow]:
+    """For every delayed group: its final loss, its time, and the baseline's time to that loss."""
+    out = []
+    for row in rows:
+        if row.baseline is None:
+            continue
+        target = row.group.loss.mean
+        own = _final_times(row.group)
+        runs = row.baseline.runs
+        times = [t for run in runs if (t := time_to_reach(run.evals, target)) is not None]
+        base = Stat.of(times) if times else None
+        speedup = base.mean / own.mean if base and own.mean > 0 else None
+        out.append(ReverseRow(row.group, row.baseline, target, own, base, len(times), speedup))
     return out
