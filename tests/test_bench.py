@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from nobubble import cli
 from nobubble.bench import add_arguments, run
 from nobubble.bench.cli import common_settings, resolve, selected_variants
 from nobubble.bench.load import ForeignLoad
@@ -142,10 +143,11 @@ def test_quick_bench_reports_every_variant(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_memory_pass_reports_tensor_memory(tmp_path, capsys):
+    """Through the `nobubble` console entry point, whose parser adds its own fields to args."""
     out = tmp_path / "bench.json"
-    args = parse("--quick", "--memory-pass", "--schedules", "1f1b,2bw", "--json", str(out),
-                 "p2p_timeout_s=60")  # fmt: skip
-    assert run(args) == 0
+    argv = ["bench", "--quick", "--memory-pass", "--schedules", "1f1b,2bw", "--json", str(out),
+            "p2p_timeout_s=60"]  # fmt: skip
+    assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert set(report["memory_pass"]) == {"1f1b", "2bw"}
     for summary in report["summary"]:

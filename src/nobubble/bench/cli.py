@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "argv": sys.argv,
-            "args": vars(args),
+            "args": {k: v for k, v in vars(args).items() if not callable(v)},  # not `func`
             "machine": info,
             "runs": {name: [dataclasses.asdict(r) for r in runs] for name, runs in results.items()},
             "memory_pass": memory
