@@ -93,15 +93,21 @@ def test_adamw_first_step_literal_numbers() -> None:
     assert gain[0] == pytest.approx(0.9, abs=1e-15)
 
 
+def _adam_moments(state: dict, g: float, b1: float, b2: float) -> tuple[float, float]:
+    """Adam's first and second moments after gradient ``g``, updated in ``state``."""
+    m = b1 * state.get("m", 0.0) + (1 - b1) * g
+    v = b2 * state.get("v", 0.0) + (1 - b2) * g * g
+    state.update(m=m, v=v)
+    return m, v
+
+
 def test_adamw_matches_formula() -> None:
     cfg = TrainConfig(optim="adamw", lr=0.02, beta1=0.8, beta2=0.9, eps=1e-3, weight_decay=0.3)
     b1, b2 = cfg.beta1, cfg.beta2
 
     def update(w, a, wd, state, t):
         g = a * w
-        m = b1 * state.get("m", 0.0) + (1 - b1) * g
-        v = b2 * state.get("v", 0.0) + (1 - b2) * g * g
-        state.update(m=m, v=v)
+        m, v = _adam_moments(state, g, b1, b2)
         m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
         return w * (1 - cfg.lr * wd) - cfg.lr * m_hat / (math.sqrt(v_hat) + cfg.eps)
 
@@ -114,9 +120,7 @@ def test_nadamw_is_nesterov_adamw_with_constant_momentum() -> None:
 
     def update(w, a, wd, state, t):
         g = a * w
-        m = b1 * state.get("m", 0.0) + (1 - b1) * g
-        v = b2 * state.get("v", 0.0) + (1 - b2) * g * g
-        state.update(m=m, v=v)
+        m, v = _adam_moments(state, g, b1, b2)
         denom = math.sqrt(v / (1 - b2**t)) + cfg.eps
         # Nesterov look-ahead: (1-β1)·g/(1-β1^t) + β1·m/(1-β1^(t+1)), with μ = β1 every step
         lookahead = (1 - b1) * g / (1 - b1**t) + b1 * m / (1 - b1 ** (t + 1))
