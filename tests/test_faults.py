@@ -85,12 +85,16 @@ def workers_of(launcher_pid: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.parametrize("stages", [0, 2])
-def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages):
+@pytest.mark.parametrize(
+    ("stages", "target"), [(0, "process"), (2, "torchrun"), (2, "last stage only")]
+)
+def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages, target):
+    """torchrun forwards a signal to every stage; one sent to the last stage alone (as when one
+    node of a job is preempted) reaches rank 0 as that stage's stop vote."""
     settings = [*LONG, *(PIPE if stages else ["schedule=2bw", "ef=true", "microbatches=2"])]
     proc = launch(tmp_path / "cut", *settings, stages=stages)
     wait_until(lambda: steps_logged(tmp_path / "cut") >= 25)
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(workers_of(proc.pid)[1] if target == "last stage only" else proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output
     assert "saved a checkpoint; continue with: nobubble train --resume" in output

@@ -1,6 +1,7 @@
 """Point-to-point messages between pipeline stages, with timeouts that name the culprit.
 
-Every message has a channel (activation, gradient, step statistics, evaluation) and a sequence
+Every message has a channel (activation, gradient, step statistics, evaluation, control) and a
+sequence
 number (the microbatch or step); together they form the p2p tag, so messages can be posted in any
 order. Sends are asynchronous (their tensors are kept alive until they complete); receives are
 posted early and waited for where their data is consumed.
@@ -24,6 +25,7 @@ class Channel(enum.IntEnum):
     EVAL_ACTIVATION = 3
     EVAL_SUMS = 4
     CONTROL = 5
+    STOP_VOTE = 6
 
 
 def tag(channel: Channel, sequence: int) -> int:

@@ -90,6 +90,7 @@ class PipelineEngine:
         self.micro_per_step = 1 if cfg.schedule == "pipedream" else cfg.microbatches
         self.train_wall_s = self.train_idle_s = 0.0
         self.versions_peak = 1
+        self.peer_stop = False  # rank 0: a stage asked to stop in the last steps of a segment
 
     def barrier(self) -> None:
         dist.barrier()
@@ -108,7 +109,8 @@ class PipelineEngine:
         Before its first action of a step, every stage learns from rank 0 whether the step runs
         (rank 0 is the first to touch any step, so nobody waits for that answer). If it does
         not, every stage drops the actions of that and later steps: what remains is exactly the
-        schedule of the shorter run, cool-down included.
+        schedule of the shorter run, cool-down included. A stop requested on another stage
+        reaches rank 0 as that stage's vote (see ``_Segment.clear``).
         """
         actions = segment_actions(self.cfg, self.rank, self.step, stop, self.delay)
         run = _Segment(self, next_batch, on_step)
@@ -122,6 +124,7 @@ class PipelineEngine:
             run.post_receives(actions, index)
             run.execute(action)
             index += 1
+        run.count_remaining_votes()
         self.messenger.drain()
         self.train_wall_s += time.perf_counter() - started
         self.train_idle_s += self.messenger.waited_s - waited
@@ -252,16 +255,40 @@ class _Segment:
         self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
+        self.votes: dict[int, list[PendingRecv]] = {}  # rank 0: the other stages' stop votes
 
     def clear(self, step: int, should_stop: Callable[[], bool]) -> bool:
-        """Whether ``step`` runs: rank 0 decides and tells every other stage."""
+        """Whether ``step`` runs: rank 0 decides and tells every other stage.
+
+        Every other stage first sends rank 0 its vote: whether a stop was requested there (a
+        signal may reach only some processes, e.g. one node of a multi-node job). Rank 0 reads
+        the votes of step ``step - (delay + 1)``, its own delay + 1 being how far it can run
+        ahead of the last stage; by the time it clears ``step`` every stage has voted on that
+        step, so reading the votes never waits in a running pipeline. A stop asked for on
+        another stage thus takes effect at most ``delay + 1`` steps later than on rank 0.
+        """
         e = self.e
         if e.rank == 0:
-            go = not should_stop()
+            go = not (should_stop() or e.peer_stop or self.stop_voted(step - e.delay - 1))
+            e.peer_stop = False
+            self.votes[step] = [
+                e.messenger.post_recv(
+                    (1,),
+                    torch.float32,
+                    e.device,
+                    peer,
+                    Channel.STOP_VOTE,
+                    step,
+                    f"the stop vote for step {step}",
+                )
+                for peer in range(1, e.world)
+            ]
             flag = torch.tensor([1.0 if go else 0.0], device=e.device)
             for peer in range(1, e.world):
                 e.messenger.send(flag, peer, Channel.CONTROL, step)
         else:
+            vote = torch.tensor([1.0 if should_stop() else 0.0], device=e.device)
+            e.messenger.send(vote, 0, Channel.STOP_VOTE, step)
             go = bool(
                 e.messenger.recv(
                     (1,),
@@ -276,6 +303,16 @@ class _Segment:
         if go:
             self.cleared = step
         return go
+
+    def stop_voted(self, step: int) -> bool:
+        """Rank 0: whether any other stage asked to stop when it cleared ``step``."""
+        pending = self.votes.pop(step, [])
+        return any(self.e.messenger.wait(vote).item() > 0 for vote in pending)
+
+    def count_remaining_votes(self) -> None:
+        """Rank 0, at the end of a segment: read the votes not read yet, keep a stop for later."""
+        for step in sorted(self.votes):
+            self.e.peer_stop |= self.stop_voted(step)
 
     def post_receives(self, actions: list[Action], index: int) -> None:
         for action in actions[index : index + RECV_AHEAD]:
