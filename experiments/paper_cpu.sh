@@ -34,4 +34,6 @@ report time_to_target "Time to target: 1f1b vs 2bw+EF, 2-stage pipeline under to
     "$RUNS/time_to_target" --time-to-target
 report muon_lr_edge "Muon one learning rate beyond the grid: 1e-2 vs 3e-2" \
     "$RUNS/main" "$RUNS/muon_lr_edge" --where optim=muon
+report longer "300 vs 1,200 steps: does the delay gap shrink in a longer run?" \
+    "$RUNS/main" "$RUNS/longer" --where optim=adamw,muon
 exit $status
