@@ -1,10 +1,9 @@
 """Point-to-point messages between pipeline stages, with timeouts that name the culprit.
 
 Every message has a channel (activation, gradient, step statistics, evaluation, control) and a
-sequence
-number (the microbatch or step); together they form the p2p tag, so messages can be posted in any
-order. Sends are asynchronous (their tensors are kept alive until they complete); receives are
-posted early and waited for where their data is consumed.
+sequence number (the microbatch or step); together they form the p2p tag, so messages can be
+posted in any order. Sends are asynchronous (their tensors are kept alive until they complete);
+receives are posted early and waited for where their data is consumed.
 """
 
 from __future__ import annotations

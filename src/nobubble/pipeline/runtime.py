@@ -306,8 +306,8 @@ class _Segment:
 
     def stop_voted(self, step: int) -> bool:
         """Rank 0: whether any other stage asked to stop when it cleared ``step``."""
-        pending = self.votes.pop(step, [])
-        return any(self.e.messenger.wait(vote).item() > 0 for vote in pending)
+        votes = [self.e.messenger.wait(vote).item() for vote in self.votes.pop(step, [])]
+        return any(vote > 0 for vote in votes)  # every receive waited for, not just the first
 
     def count_remaining_votes(self) -> None:
         """Rank 0, at the end of a segment: read the votes not read yet, keep a stop for later."""
