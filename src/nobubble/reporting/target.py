@@ -36,8 +36,12 @@ class ReverseRow:
     target: float  # its mean final validation loss
     own_time: Stat  # its full training time
     baseline_time: Stat | None  # over the baseline runs that reached the target
-    reached: int  # baseline runs that did
     speedup: float | None  # baseline time / own time
+
+    @property
+    def reached(self) -> int:
+        """Baseline runs that reached the target."""
+        return self.baseline_time.n if self.baseline_time else 0
 
 
 def time_to_reach(evals: Sequence[EvalPoint], target: float) -> float | None:
@@ -53,13 +57,22 @@ def time_to_reach(evals: Sequence[EvalPoint], target: float) -> float | None:
     return None
 
 
-def _row(group: Group, target: float, baseline_time: Stat | None) -> TargetRow:
+def times_to_reach(group: Group, target: float) -> Stat | None:
+    """Time to ``target`` over the group's runs that reach it; None if none does."""
     times = [t for run in group.runs if (t := time_to_reach(run.evals, target)) is not None]
-    if not times:
-        return TargetRow(group, target, None, 0, None)
-    stat = Stat.of(times)
-    speedup = baseline_time.mean / stat.mean if baseline_time and stat.mean > 0 else None
-    return TargetRow(group, target, stat, len(times), speedup)
+    return Stat.of(times) if times else None
+
+
+def _ratio(numerator: Stat | None, denominator: Stat | None) -> float | None:
+    if numerator is None or denominator is None or denominator.mean <= 0:
+        return None
+    return numerator.mean / denominator.mean
+
+
+def _row(group: Group, target: float, baseline_time: Stat | None) -> TargetRow:
+    stat = times_to_reach(group, target)
+    reached = stat.n if stat else 0
+    return TargetRow(group, target, stat, reached, _ratio(baseline_time, stat))
 
 
 def target_rows(rows: Sequence[Comparison]) -> list[TargetRow]:
@@ -89,9 +102,6 @@ def reverse_rows(rows: Sequence[Comparison]) -> list[ReverseRow]:
             continue
         target = row.group.loss.mean
         own = _final_times(row.group)
-        runs = row.baseline.runs
-        times = [t for run in runs if (t := time_to_reach(run.evals, target)) is not None]
-        base = Stat.of(times) if times else None
-        speedup = base.mean / own.mean if base and own.mean > 0 else None
-        out.append(ReverseRow(row.group, row.baseline, target, own, base, len(times), speedup))
+        base = times_to_reach(row.baseline, target)
+        out.append(ReverseRow(row.group, row.baseline, target, own, base, _ratio(base, own)))
     return out
