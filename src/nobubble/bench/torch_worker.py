@@ -3,10 +3,11 @@
 Launched under torchrun (one process per stage) with the same ``key=value`` settings as
 ``nobubble train``, it builds what our runtime builds (the same :class:`~nobubble.model.Stage`
 modules from :func:`~nobubble.model.partition`, the same data from
-:func:`~nobubble.data.build_data` on the first and last stage, the same optimizer, per-stage
-clipping and learning-rate schedule) and trains them with torch's ``ScheduleGPipe`` or
-``Schedule1F1B``. The loss convention is ours: :func:`~nobubble.model.lm_loss` is the mean token
-loss of a microbatch and ``scale_grads=True`` divides the accumulated gradients by M.
+:func:`~nobubble.pipeline.launch.build_stage_data` on the first and last stage, the same
+optimizer, per-stage clipping and learning-rate schedule) and trains them with torch's
+``ScheduleGPipe`` or ``Schedule1F1B``. The loss convention is ours:
+:func:`~nobubble.model.lm_loss` is the mean token loss of a microbatch and ``scale_grads=True``
+divides the accumulated gradients by M.
 
 It writes a run folder that reads like ours: ``metrics.jsonl`` (``step``, ``train_loss``,
 ``tokens``, ``tokens_per_s``, timed at stage 0's optimizer step) and ``summary.json``
@@ -30,11 +31,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from nobubble.config import TrainConfig, build_config, parse_overrides
-from nobubble.data import build_data
 from nobubble.engine import clip_stage, peak_memory_mb
 from nobubble.model import Stage, lm_loss, model_config, partition
 from nobubble.optim import build_optimizer, lr_at, set_lr
-from nobubble.pipeline.launch import device_and_backend
+from nobubble.pipeline.launch import build_stage_data, device_and_backend
 from nobubble.runfolder import RunFolder
 from nobubble.simulated import autocast
 from nobubble.train import configure_torch
@@ -77,13 +77,9 @@ class TorchStageRunner:
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
-        data = build_data(cfg, run_dir) if self.first else None
-        vocab = [data.tokenizer.vocab_size if data else None]
-        dist.broadcast_object_list(vocab, src=0)
-        if self.last and not self.first:
-            data = build_data(cfg, run_dir)  # reuses the tokenizer stage 0 saved
+        data, vocab, _ = build_stage_data(cfg, run_dir, self.rank, self.world)
         self.batches = data.train if data else None
-        mc = model_config(cfg, vocab[0])
+        mc = model_config(cfg, vocab)
         specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
         self.module = Stage(mc, specs[self.rank], cfg.seed).to(device)
         self.optimizer = build_optimizer(list(self.module.named_parameters()), cfg)

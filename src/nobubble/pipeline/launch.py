@@ -50,6 +50,22 @@ def _broadcast(value: object) -> object:
     return box[0]
 
 
+def build_stage_data(
+    cfg: TrainConfig, run_dir: Path, rank: int, world: int
+) -> tuple[DataBundle | None, int, int]:
+    """This stage's data (first and last stage only), the vocabulary size and the number of
+    validation batches (both known on every rank).
+
+    Rank 0 builds first, training or loading the tokenizer and saving it into ``run_dir``; the
+    last stage then builds the same data with that tokenizer.
+    """
+    data = build_data(cfg, run_dir) if rank == 0 else None
+    vocab, val_batches = _broadcast((data.tokenizer.vocab_size, len(data.val)) if data else None)
+    if rank == world - 1 and rank != 0:
+        data = build_data(cfg, run_dir)
+    return data, vocab, val_batches
+
+
 def device_and_backend(cfg: TrainConfig) -> tuple[torch.device, str]:
     """This rank's device (one GPU per local rank) and the process-group backend for it."""
     device = resolve_device(cfg.device)
@@ -113,14 +129,8 @@ def train_pipeline(
             (str(opened[0].path), opened[1] and str(opened[1])) if opened else None
         )
         run, checkpoint = RunFolder(Path(path)), checkpoint and Path(checkpoint)
-        data: DataBundle | None = None
         try:
-            if rank == 0:
-                data = build_data(cfg, run.path)
-            shape = _broadcast((data.tokenizer.vocab_size, len(data.val)) if rank == 0 else None)
-            if rank == world - 1 and rank != 0:
-                data = build_data(cfg, run.path)
-            vocab, val_batches = shape
+            data, vocab, val_batches = build_stage_data(cfg, run.path, rank, world)
             engine = PipelineEngine(cfg, model_config(cfg, vocab), device, val_batches)
             if checkpoint is not None:
                 restore_checkpoint(checkpoint, run, engine, data)
