@@ -1,8 +1,13 @@
+import math
 import re
+import typing
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nobubble.config import (
+    FIELDS,
     ConfigError,
     TrainConfig,
     build_config,
@@ -78,3 +83,69 @@ def test_none_only_for_optional_fields():
     assert coerce("n_layers", "none") is None
     with pytest.raises(ConfigError, match="cannot be empty"):
         coerce("steps", None)
+
+
+# -- numbers: finite and within each key's accepted range ---------------------------------------
+
+HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _holds(kind: type, hint: object) -> bool:
+    return hint is kind or kind in typing.get_args(hint)
+
+
+FLOAT_KEYS = sorted(k for k in FIELDS if _holds(float, HINTS[k]))
+NUMBER_KEYS = sorted(k for k in FIELDS if _holds(float, HINTS[k]) or _holds(int, HINTS[k]))
+NUMBER_KEYS += sorted(k for k in FIELDS if _holds(list[int], HINTS[k]))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "accepted"),
+    [
+        ("lr", math.nan, "positive (> 0) and finite"),
+        ("lr", math.inf, "positive (> 0) and finite"),
+        ("lr", -1e-3, "positive (> 0) and finite"),
+        ("weight_decay", math.nan, ">= 0 and finite"),
+        ("ef_gamma", math.nan, ">= 0 and finite"),
+        ("eps", -1.0, "positive (> 0) and finite"),
+        ("eps", 0.0, "positive (> 0) and finite"),
+        ("p2p_timeout_s", math.inf, "positive (> 0) and finite"),
+        ("grad_clip", -math.inf, ">= 0 and finite"),
+        ("rope_theta", math.nan, "positive (> 0) and finite"),
+        ("beta1", 1.0, "in [0, 1)"),  # Adam's bias correction divides by 1 - beta1^t
+        ("beta2", math.nan, "in [0, 1)"),
+        ("momentum", 1.0, "in [0, 1)"),
+        ("val_fraction", 0.0, "in (0, 1)"),
+        ("embed_cost", -1.0, ">= 0 and finite"),
+        ("d_model", 0, "positive (> 0)"),
+        ("seed", -1, "in [0, 4294967296)"),
+        ("stage_layers", [2, -1], ">= 0"),
+    ],
+)
+def test_numbers_outside_their_range_name_key_value_and_range(key, value, accepted):
+    with pytest.raises(ConfigError) as caught:
+        build_config({key: value})
+    message = str(caught.value)
+    assert message.startswith(f"{key} must be {accepted}, got ")
+    shown = value[-1] if isinstance(value, list) else value
+    assert repr(shown) in message
+
+
+def test_every_number_key_declares_its_accepted_range():
+    missing = [k for k in NUMBER_KEYS if FIELDS[k].metadata["range"] is None]
+    assert not missing, f"declare an accepted range for {missing}"
+    for key in NUMBER_KEYS:  # the default lies inside it
+        default = FIELDS[key].default
+        for value in default if isinstance(default, list) else [default]:
+            assert value is None or value in FIELDS[key].metadata["range"], key
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(FLOAT_KEYS), st.floats(allow_nan=True, allow_infinity=True))
+def test_no_float_key_accepts_a_non_finite_value(key, value):
+    try:
+        cfg = build_config({key: value})
+    except ConfigError as exc:
+        assert str(exc).startswith(f"{key} must be ") and repr(value) in str(exc)
+    else:
+        assert math.isfinite(getattr(cfg, key))

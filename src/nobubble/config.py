@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -27,79 +28,131 @@ class ConfigError(ValueError):
     """A configuration problem a user can fix; the message says how."""
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: ``low`` to ``high``, each bound open or closed."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = True
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            if self.low == 0 and self.low_open:
+                return "positive (> 0)"
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        opening, closing = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"in {opening}{_number(self.low)}, {_number(self.high)}{closing}"
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+FRACTION = Range(0, 1, high_open=False)  # [0, 1]
+DECAY = Range(0, 1)  # [0, 1): a decay of 1 never forgets (and Adam divides by 1 - beta^t)
+
+
+def _opt(default: Any, help: str, range: Range | None = None) -> Any:
+    """A config field; every numeric field gives ``range``, which :func:`validate` enforces."""
+    return field(default=default, metadata={"help": help, "range": range})
 
 
 @dataclass
 class TrainConfig:
     # --- model ---
     preset: str = _opt("tiny", "model preset (see `nobubble.model.PRESETS`)")
-    n_layers: int | None = _opt(None, "override the preset's number of blocks")
-    d_model: int | None = _opt(None, "override the preset's hidden size")
-    n_heads: int | None = _opt(None, "override the preset's attention heads")
-    n_kv_heads: int | None = _opt(None, "override the preset's key/value heads (GQA)")
-    d_ff: int | None = _opt(None, "override the preset's MLP hidden size")
-    max_seq_len: int | None = _opt(None, "override the preset's maximum sequence length")
+    n_layers: int | None = _opt(None, "override the preset's number of blocks", POSITIVE)
+    d_model: int | None = _opt(None, "override the preset's hidden size", POSITIVE)
+    n_heads: int | None = _opt(None, "override the preset's attention heads", POSITIVE)
+    n_kv_heads: int | None = _opt(None, "override the preset's key/value heads (GQA)", POSITIVE)
+    d_ff: int | None = _opt(None, "override the preset's MLP hidden size", POSITIVE)
+    max_seq_len: int | None = _opt(None, "override the preset's maximum sequence length", POSITIVE)
     tie_embeddings: bool | None = _opt(None, "override whether the head shares the embedding")
-    rope_theta: float | None = _opt(None, "override the preset's RoPE base")
+    rope_theta: float | None = _opt(None, "override the preset's RoPE base", POSITIVE)
 
     # --- data ---
     data: str = _opt(
         "builtin", "builtin | FILE/GLOB (.txt .jsonl .parquet .bin) | hf:NAME[:CONFIG]"
     )
     data_field: str = _opt("text", "text field of .jsonl/.parquet/HF records")
-    val_fraction: float = _opt(0.05, "share of documents held out for validation")
+    val_fraction: float = _opt(
+        0.05, "share of documents held out for validation", Range(0, 1, low_open=True)
+    )
     tokenizer: str = _opt("byte", "byte | bpe | PATH/tokenizer.json | hf:NAME")
-    bpe_vocab_size: int = _opt(4096, "vocabulary size of a locally trained BPE tokenizer")
+    bpe_vocab_size: int = _opt(4096, "vocabulary size of a locally trained BPE tokenizer", POSITIVE)
     bin_dtype: str = _opt("uint16", "token dtype of .bin shards: uint16 | uint32")
-    seq_len: int = _opt(256, "tokens per training sequence")
-    batch_size: int = _opt(16, "sequences per optimizer step (split into microbatches)")
+    seq_len: int = _opt(256, "tokens per training sequence", POSITIVE)
+    batch_size: int = _opt(16, "sequences per optimizer step (split into microbatches)", POSITIVE)
 
     # --- optimizer ---
     optim: str = _opt("adamw", "optimizer (see `nobubble.optim.OPTIMIZERS`)")
-    lr: float = _opt(3e-3, "peak learning rate")
-    weight_decay: float = _opt(0.1, "decoupled weight decay (matrices only; never norms)")
-    beta1: float = _opt(0.9, "first-moment decay (Adam-family, Lion, SOAP, MARS)")
-    beta2: float = _opt(0.95, "second-moment decay")
-    beta3: float = _opt(0.99, "third beta (Adan only)")
-    eps: float = _opt(1e-8, "denominator epsilon")
-    momentum: float = _opt(0.95, "momentum (muon, signum, sgd)")
+    lr: float = _opt(3e-3, "peak learning rate", POSITIVE)
+    weight_decay: float = _opt(
+        0.1, "decoupled weight decay (matrices only; never norms)", NON_NEGATIVE
+    )
+    beta1: float = _opt(0.9, "first-moment decay (Adam-family, Lion, SOAP, MARS)", DECAY)
+    beta2: float = _opt(0.95, "second-moment decay", DECAY)
+    beta3: float = _opt(0.99, "third beta (Adan only)", DECAY)
+    eps: float = _opt(1e-8, "denominator epsilon", POSITIVE)
+    momentum: float = _opt(0.95, "momentum (muon, signum, sgd)", DECAY)
     nesterov: bool = _opt(True, "Nesterov momentum (muon, sgd)")
     muon_adjust_lr: str = _opt("match_rms_adamw", "muon LR scaling: match_rms_adamw | original")
     lr_schedule: str = _opt("cosine", "cosine | wsd | constant (all after a linear warmup)")
-    warmup_steps: int = _opt(20, "linear warmup steps")
-    decay_frac: float = _opt(0.2, "WSD: share of steps spent decaying at the end")
-    min_lr_ratio: float = _opt(0.1, "final LR as a share of the peak (cosine, wsd)")
-    grad_clip: float = _opt(1.0, "max gradient norm per pipeline stage; 0 disables clipping")
+    warmup_steps: int = _opt(20, "linear warmup steps", NON_NEGATIVE)
+    decay_frac: float = _opt(0.2, "WSD: share of steps spent decaying at the end", FRACTION)
+    min_lr_ratio: float = _opt(0.1, "final LR as a share of the peak (cosine, wsd)", FRACTION)
+    grad_clip: float = _opt(
+        1.0, "max gradient norm per pipeline stage; 0 disables clipping", NON_NEGATIVE
+    )
     nonfinite_patience: int = _opt(
-        3, "abort after this many steps in a row whose update was skipped for a non-finite gradient"
+        3,
+        "abort after this many steps in a row whose update was skipped for a non-finite gradient",
+        POSITIVE,
     )
     ef: bool = _opt(False, "error-feedback delay correction")
-    ef_gamma: float = _opt(1.0, "error-feedback strength G")
+    ef_gamma: float = _opt(1.0, "error-feedback strength G", NON_NEGATIVE)
 
     # --- schedule ---
     schedule: str = _opt("sync", "sync | gpipe | 1f1b | 2bw | pipedream")
-    stages: int = _opt(1, "pipeline stages P")
-    microbatches: int = _opt(1, "microbatches M per optimizer step")
-    stage_layers: list[int] | None = _opt(None, "explicit blocks per stage, e.g. [3, 3]")
-    p2p_timeout_s: float = _opt(300.0, "pipeline: fail if a stage waits longer for a peer")
-    embed_cost: float = _opt(1.0, "partition weight of the embedding, in blocks")
-    head_cost: float = _opt(1.0, "partition weight of the final norm + head, in blocks")
+    stages: int = _opt(1, "pipeline stages P", POSITIVE)
+    microbatches: int = _opt(1, "microbatches M per optimizer step", POSITIVE)
+    stage_layers: list[int] | None = _opt(
+        None, "explicit blocks per stage, e.g. [3, 3]", NON_NEGATIVE
+    )
+    p2p_timeout_s: float = _opt(
+        300.0, "pipeline: fail if a stage waits longer for a peer", POSITIVE
+    )
+    embed_cost: float = _opt(1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE)
+    head_cost: float = _opt(
+        1.0, "partition weight of the final norm + head, in blocks", NON_NEGATIVE
+    )
 
     # --- run ---
-    steps: int = _opt(300, "optimizer steps")
-    seed: int = _opt(0, "seed for initialization and data order")
-    eval_every: int = _opt(50, "evaluate every N steps (and at the end); 0 = only at the end")
-    eval_batches: int = _opt(8, "validation batches per evaluation")
-    log_every: int = _opt(1, "write a metrics line every N steps")
-    checkpoint_every: int = _opt(0, "save a checkpoint every N steps (and always at the end)")
-    keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep")
+    steps: int = _opt(300, "optimizer steps", POSITIVE)
+    seed: int = _opt(0, "seed for initialization and data order", Range(0, 2**32))
+    eval_every: int = _opt(
+        50, "evaluate every N steps (and at the end); 0 = only at the end", NON_NEGATIVE
+    )
+    eval_batches: int = _opt(8, "validation batches per evaluation", POSITIVE)
+    log_every: int = _opt(1, "write a metrics line every N steps", POSITIVE)
+    checkpoint_every: int = _opt(
+        0, "save a checkpoint every N steps (and always at the end)", NON_NEGATIVE
+    )
+    keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep", POSITIVE)
     out: str | None = _opt(None, "run folder (default runs/<name>-<time>)")
     name: str | None = _opt(None, "run name (default: derived from the settings)")
     device: str = _opt("auto", "auto | cpu | cuda")
     dtype: str = _opt("float32", "float32 | bfloat16 (autocast for matmuls)")
-    threads: int = _opt(0, "torch CPU threads; 0 keeps torch's default")
+    threads: int = _opt(0, "torch CPU threads; 0 keeps torch's default", NON_NEGATIVE)
     progress: bool = _opt(True, "show a progress bar")
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,10 +300,23 @@ def _choice(key: str, value: str, options: typing.Iterable[str]) -> None:
         raise ConfigError(f"unknown {key} {value!r}{hint}; choose one of: {', '.join(options)}")
 
 
-def _positive(cfg: TrainConfig, *keys: str) -> None:
-    for key in keys:
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
+def _check_numbers(cfg: TrainConfig) -> None:
+    """Every number (each item of a list) finite and within its field's declared range."""
+    for key, spec in FIELDS.items():
+        accepted = spec.metadata["range"]
+        if accepted is None:
+            continue
+        value = getattr(cfg, key)
+        for number in value if isinstance(value, list) else [value]:
+            if number is not None and not (math.isfinite(number) and number in accepted):
+                raise ConfigError(f"{key} must be {_accepted(key, accepted)}, got {number!r}")
+
+
+def _accepted(key: str, accepted: Range) -> str:
+    """The range in words; a float range open to infinity also says that inf is out."""
+    if accepted.high == math.inf and _base_type(_HINTS[key])[0] is float:
+        return f"{accepted} and finite"
+    return str(accepted)
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -266,21 +332,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("device", cfg.device, DEVICES)
     _choice("bin_dtype", cfg.bin_dtype, ("uint16", "uint32"))
     _choice("muon_adjust_lr", cfg.muon_adjust_lr, ("match_rms_adamw", "original"))
-    _positive(cfg, "seq_len", "batch_size", "stages", "microbatches", "steps", "lr")
-    _positive(cfg, "eval_batches", "log_every", "bpe_vocab_size", "nonfinite_patience")
-    _positive(cfg, "keep_checkpoints", "p2p_timeout_s")
-    for key in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "grad_clip"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-    if cfg.threads < 0:
-        raise ConfigError(f"threads must be >= 0, got {cfg.threads}")
-    if not 0 < cfg.val_fraction < 1:
-        raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction}")
-    for key in ("beta1", "beta2", "beta3", "momentum", "decay_frac", "min_lr_ratio"):
-        if not 0 <= getattr(cfg, key) <= 1:
-            raise ConfigError(f"{key} must be in [0, 1], got {getattr(cfg, key)}")
-    if cfg.ef_gamma < 0:
-        raise ConfigError(f"ef_gamma must be >= 0, got {cfg.ef_gamma}")
+    _check_numbers(cfg)
     if cfg.batch_size % cfg.microbatches:
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
