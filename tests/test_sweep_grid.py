@@ -4,6 +4,7 @@ import argparse
 import functools
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -278,3 +279,76 @@ def test_bad_combinations_in_later_phases_stop_the_sweep_before_it_starts(tmp_pa
     with pytest.raises(SweepError, match="main/optim=adamw,setup=sync: ef_gamma must be >= 0"):
         call("--config", str(write(tmp_path, text)), "--dry-run")
     assert not (tmp_path / "runs").exists()
+
+
+# -- every run of the grid is checked before any starts ----------------------------------------
+
+SMALL_BASE = "[base]\nd_model = 32\nn_layers = 4\nn_heads = 4\nn_kv_heads = 2\nd_ff = 64\n"
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """Records the runs the sweep hands over for training (and trains none)."""
+    started: list = []
+    monkeypatch.setattr(sweep, "run_all", lambda runs, *rest: started.extend(runs) or [])
+    return started
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("stages = [9]", "stages=9: cannot split 4 blocks over 9 stages"),  # the model's shape
+        ("n_heads = [3]", "n_heads=3: d_model (32) must be divisible by n_heads (3)"),
+        ("lr = [nan]", "lr=nan: lr must be positive (> 0) and finite, got nan"),
+        ("tie_embeddings = [true]\nstages = [2]", "tie_embeddings=true,stages=2: tie_embeddings"),
+    ],
+)
+def test_a_bad_value_in_the_17th_run_stops_the_sweep_before_any_run(
+    tmp_path, launches, bad, message
+):
+    seeds = ", ".join(map(str, range(16)))
+    grid = write(tmp_path, f"{SMALL_BASE}[[grid]]\nseed = [{seeds}]\n[[grid]]\n{bad}\n")
+    with pytest.raises(SweepError, match=re.escape(message)):
+        call("--config", str(grid))
+    assert launches == [] and not (tmp_path / "runs").exists()
+
+
+TWO_PHASES = """
+[[phase]]
+name = "a"
+set = { batch_size = 6 }
+[phase.grid]
+optim = ["adamw"]
+microbatches = [1, 3]
+
+[[phase]]
+name = "b"
+set = { batch_size = 8, microbatches = "best:a" }
+[phase.grid]
+optim = OPTIMS
+"""
+
+
+def test_best_values_are_checked_with_every_value_they_may_take(tmp_path, launches):
+    grid = write(tmp_path, SMALL_BASE + TWO_PHASES.replace("OPTIMS", '["adamw"]'))
+    with pytest.raises(SweepError) as caught:
+        call("--config", str(grid))
+    message = str(caught.value)
+    assert "b/optim=adamw" in message and "microbatches = 3 (from best:a)" in message
+    assert "batch_size 8 is not divisible by microbatches 3" in message
+    assert launches == []
+
+
+def test_best_values_that_no_run_can_give_stop_the_sweep_before_it_starts(tmp_path, launches):
+    grid = write(tmp_path, SMALL_BASE + TWO_PHASES.replace("OPTIMS", '["muon"]'))
+    with pytest.raises(SweepError, match=re.escape("phase 'a' has no run with {'optim': 'muon'}")):
+        call("--config", str(grid))
+    assert launches == []
+
+
+def test_phases_left_out_with_phase_are_checked_too(tmp_path, launches):
+    text = SMALL_BASE + "[[phase]]\nname = 'a'\ngrid = { seed = [0] }\n"
+    text += "[[phase]]\nname = 'b'\ngrid = { eps = [0.0] }\n"
+    with pytest.raises(SweepError, match=re.escape("b/eps=0.0: eps must be positive")):
+        call("--config", str(write(tmp_path, text)), "--phase", "a")
+    assert launches == []

@@ -355,3 +355,18 @@ def validate(cfg: TrainConfig) -> None:
             f"stage_layers lists {len(cfg.stage_layers)} stages but stages={cfg.stages}; "
             "give one block count per stage"
         )
+    _check_model(cfg)
+
+
+def _check_model(cfg: TrainConfig) -> None:
+    """The model's shape and its split over the stages, as training will resolve them (but for
+    the vocabulary, which is only known once the tokenizer is read)."""
+    from nobubble.model import model_config, partition
+
+    mc = model_config(cfg, tokenizer_vocab=1)
+    partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+    if mc.tie_embeddings and cfg.stages > 1:
+        raise ConfigError(
+            f"tie_embeddings needs the embedding and the head on one stage, but stages="
+            f"{cfg.stages}; set tie_embeddings=false to pipeline preset {cfg.preset!r}"
+        )

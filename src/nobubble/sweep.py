@@ -17,7 +17,7 @@ from pathlib import Path
 from nobubble.sweeping.best import Pending
 from nobubble.sweeping.grid import Phase, Sweep, SweepError, load_sweep
 from nobubble.sweeping.launch import run_all
-from nobubble.sweeping.plan import check_phase, plan_phase
+from nobubble.sweeping.plan import check_sweep, plan_phase
 from nobubble.sweeping.planned import PlannedRun, Status, finished_loss
 
 
@@ -103,9 +103,8 @@ class SweepRun:
         return finished_loss(run, self.failed_paths)
 
     def execute(self) -> int:
+        check_sweep(self.sweep)
         needed = needed_phases(self.sweep, self.selected)
-        for phase in needed:
-            check_phase(self.sweep, phase)
         print(f"sweep {self.sweep.name}: runs in {self.sweep.out}, logs in its _sweep folder")
         for phase in needed:
             try:

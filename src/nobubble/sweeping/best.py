@@ -42,26 +42,49 @@ def _at_edge(best: Any, values: Sequence[Any]) -> bool:
     return len(numbers) == len(values) >= 3 and best in (min(numbers), max(numbers))
 
 
-def resolve_best(
-    key: str, point: Point, source: Phase, source_runs: Sequence[PlannedRun], loss_of: LossOf
-) -> Choice:
-    """The value of ``key`` with the lowest mean final loss among the source phase's runs that
-    agree with ``point`` on every other key the source phase varies (seeds aside); a failed or
-    diverged run counts as an infinite loss."""
+def group_of(key: str, point: Point, source: Phase) -> dict[str, Any]:
+    """The settings a source run must share with ``point`` to decide its ``key``: every other
+    key the source phase varies, seeds aside."""
     match_keys = sorted(source.varied_keys() - {key, "seed"})
     wanted = {k: point.settings.get(k, FIELDS[k].default) for k in match_keys}
     chained = [k for k, v in wanted.items() if isinstance(v, BestOf)]
     if chained:
         raise SweepError(
-            f"{point.name}: {key} = 'best:{source.name}' depends on {', '.join(chained)}, itself "
-            "a best: value; give it a fixed value"
+            f"{key} = 'best:{source.name}' depends on {', '.join(chained)}, itself a best: "
+            "value; give it a fixed value"
         )
+    return wanted
+
+
+def no_run_error(key: str, source: Phase, wanted: dict[str, Any]) -> SweepError:
+    return SweepError(
+        f"{key} = 'best:{source.name}': phase {source.name!r} has no run with {wanted}; add "
+        "those settings to its grid"
+    )
+
+
+def possible_values(key: str, point: Point, source: Phase) -> list[Any]:
+    """Every value ``best:`` may give ``point``'s ``key``: those its group in ``source`` tries."""
+    wanted = group_of(key, point, source)
+    values: list[Any] = []
+    for run in source.points():
+        setting = {k: run.settings.get(k, FIELDS[k].default) for k in [key, *wanted]}
+        if all(setting[k] == v for k, v in wanted.items()) and setting[key] not in values:
+            values.append(setting[key])
+    if not values:
+        raise no_run_error(key, source, wanted)
+    return values
+
+
+def resolve_best(
+    key: str, point: Point, source: Phase, source_runs: Sequence[PlannedRun], loss_of: LossOf
+) -> Choice:
+    """The value of ``key`` with the lowest mean final loss among the source phase's runs in
+    ``point``'s group (:func:`group_of`); a failed or diverged run counts as an infinite loss."""
+    wanted = group_of(key, point, source)
     candidates = [r for r in source_runs if all(getattr(r.config, k) == wanted[k] for k in wanted)]
     if not candidates:
-        raise SweepError(
-            f"{key} = 'best:{source.name}' for {point.name}: phase {source.name!r} has no run with "
-            f"{wanted}; add those settings to its grid"
-        )
+        raise no_run_error(key, source, wanted)
     losses: dict[str, tuple[Any, list[float]]] = {}
     unfinished = 0
     for run in candidates:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nobubble.config import ConfigError, build_config
-from nobubble.sweeping.best import Choice, Pending, resolve_best
+from nobubble.config import ConfigError, TrainConfig, build_config
+from nobubble.sweeping.best import Choice, Pending, possible_values, resolve_best
 from nobubble.sweeping.grid import Phase, Point, Sweep, SweepError
 from nobubble.sweeping.planned import LossOf, PlannedRun
 
@@ -48,21 +49,66 @@ def plan_phase(
     return PhasePlan(runs, list(choices.values()))
 
 
+def _where(phase: Phase, point: Point) -> str:
+    return f"{phase.name}/{point.name}" if phase.name else point.name
+
+
+def _config(sweep: Sweep, phase: Phase, point: Point, values: dict[str, Any]) -> TrainConfig:
+    return build_config({"progress": False, **values, "out": str(sweep.run_dir(phase, point))})
+
+
 def _planned_run(sweep: Sweep, phase: Phase, point: Point, values: dict[str, Any]) -> PlannedRun:
-    path = sweep.run_dir(phase, point)
     try:
-        config = build_config({"progress": False, **values, "out": str(path)})
+        config = _config(sweep, phase, point, values)
     except ConfigError as exc:
-        where = f"{phase.name}/{point.name}" if phase.name else point.name
-        raise SweepError(f"{where}: {exc}") from None
-    return PlannedRun(phase.name, point.name, path, config, phase.launcher)
+        raise SweepError(f"{_where(phase, point)}: {exc}") from None
+    return PlannedRun(phase.name, point.name, sweep.run_dir(phase, point), config, phase.launcher)
 
 
-def check_phase(sweep: Sweep, phase: Phase) -> None:
-    """Build every run's config now, each best: value stood in for by a value its phase tries,
-    so that a bad combination stops the sweep before it starts rather than hours into it."""
-    stand_ins = {
-        key: sweep.phase(ref.phase).values_of(key)[0] for key, ref in phase.best_refs().items()
-    }
-    for point in phase.points():
-        _planned_run(sweep, phase, point, {**point.settings, **stand_ins})
+def _problem(sweep: Sweep, phase: Phase, point: Point) -> str | None:
+    """Why ``point`` cannot run with some value its best: settings may take, or None."""
+    refs = phase.best_refs()
+    options = [
+        [(key, v) for v in possible_values(key, point, sweep.phase(ref.phase))]
+        for key, ref in refs.items()
+    ]
+    combinations = list(itertools.product(*options))
+    failures: dict[str, str] = {}  # the best: values tried -> what is wrong
+    for chosen in combinations:
+        try:
+            _config(sweep, phase, point, {**point.settings, **dict(chosen)})
+        except ConfigError as exc:
+            note = "".join(f" with {k} = {v!r} (from best:{refs[k].phase})" for k, v in chosen)
+            failures[note] = str(exc)
+    if not failures:
+        return None
+    if len(failures) == len(combinations) and len(set(failures.values())) == 1:
+        return f"{_where(phase, point)}: {failures.popitem()[1]}"  # whatever the best: values
+    note, why = next(iter(failures.items()))
+    return f"{_where(phase, point)}{note}: {why}"
+
+
+SHOWN_PROBLEMS = 20
+
+
+def check_sweep(sweep: Sweep) -> None:
+    """Build the config of every run of every phase now, each best: value tried with every value
+    it may take, so that a bad value stops the sweep before anything trains, not hours into it."""
+    problems, total = [], 0
+    for phase in sweep.phases:
+        for point in phase.points():
+            total += 1
+            try:
+                problem = _problem(sweep, phase, point)
+            except SweepError as exc:  # a best: value that no run can give
+                problem = f"{_where(phase, point)}: {exc}"
+            if problem:
+                problems.append(problem)
+    if problems:
+        listed = "\n  ".join(problems[:SHOWN_PROBLEMS])
+        more = len(problems) - SHOWN_PROBLEMS
+        listed += f"\n  ... and {more} more" if more > 0 else ""
+        raise SweepError(
+            f"{len(problems)} of the grid's {total} runs have an invalid config; nothing was "
+            f"started:\n  {listed}"
+        )
