@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from nobubble import cli
 from nobubble.bench import add_arguments, run
@@ -154,3 +157,58 @@ def test_memory_pass_reports_tensor_memory(tmp_path, capsys):
         assert all(mb > 0 for mb in summary["tensor_mem_mb"])
     claims = [t["claim"] for t in report["targets"]]
     assert claims == ["2bw vs our 1f1b", "2bw peak memory above 1f1b, per stage"]
+
+
+# -- what can be known before the first run is refused before it, in one line -------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch) -> None:
+    def launched(*args: object) -> None:
+        raise AssertionError("a benchmark run was started")
+
+    monkeypatch.setattr("nobubble.bench.cli.run_timed", launched)
+
+
+@pytest.fixture
+def read_only(tmp_path) -> Path:
+    """A folder nobody may write in (root may write anywhere but in /sys)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    if os.access(folder, os.W_OK):
+        return Path("/sys")
+    return folder
+
+
+def refused(capsys, *argv: str) -> str:
+    assert run(parse("--quick", *argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nobubble bench: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_a_runs_dir_that_is_a_file_or_under_one_is_refused(tmp_path, capsys, no_launch):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    assert f"--runs-dir {taken}: " in refused(capsys, "--runs-dir", str(taken))
+    assert f"{taken} is not a folder" in refused(capsys, "--runs-dir", str(taken / "runs"))
+
+
+def test_a_runs_dir_or_json_file_that_cannot_be_written_is_refused(capsys, no_launch, read_only):
+    err = refused(capsys, "--runs-dir", str(read_only / "runs"))
+    assert f"--runs-dir {read_only / 'runs'}: " in err and "cannot" in err
+    err = refused(capsys, "--json", str(read_only / "bench.json"))
+    assert f"--json {read_only / 'bench.json'}: cannot write in {read_only}" in err
+
+
+def test_a_json_file_in_a_missing_folder_is_refused(tmp_path, capsys, no_launch):
+    err = refused(capsys, "--json", str(tmp_path / "missing" / "bench.json"))
+    assert f"folder {tmp_path / 'missing'} does not exist" in err
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_run(capsys, no_launch, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--device cuda: no CUDA device" in refused(capsys, "--device", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "one GPU per stage" in refused(capsys, "--device", "cuda", "--stages", "2")

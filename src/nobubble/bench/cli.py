@@ -27,6 +27,7 @@ from nobubble.bench.runner import (
 )
 from nobubble.bench.variants import FIXED_SETTINGS, VARIANTS, Shape, Variant
 from nobubble.config import ConfigError, build_config, parse_overrides
+from nobubble.destinations import check_output_file, make_output_folder
 
 # The measured configuration of docs/benchmarks.md, and a seconds-long smoke run.
 DEFAULTS = dict(
@@ -170,6 +171,20 @@ def header(args: argparse.Namespace, info: dict[str, Any], log: list[dict]) -> s
     )
 
 
+def check_device(device: str, stages: int) -> None:
+    """On CUDA every stage takes its own GPU (NCCL refuses two ranks on one)."""
+    if device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
+    gpus = torch.cuda.device_count()
+    if gpus < stages:
+        raise ConfigError(
+            f"--device cuda runs one GPU per stage: --stages {stages} needs {stages} GPUs, "
+            f"this machine has {gpus}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     args = resolve(args)
     try:
@@ -178,6 +193,11 @@ def run(args: argparse.Namespace) -> int:
         shape = Shape(args.stages, args.microbatches, args.steps, args.batch_size)
         for variant in variants:  # every config error before the first launch
             build_config(parse_overrides([*common, *shape.settings(variant)]))
+        check_device(args.device, args.stages)
+        if args.json:
+            check_output_file(args.json, "--json")
+        if args.runs_dir:
+            make_output_folder(args.runs_dir, "--runs-dir")
         with tempfile.TemporaryDirectory(prefix="nobubble-bench-") as scratch:
             runs_dir = Path(args.runs_dir or scratch)
             results, log = run_timed(args, variants, common, runs_dir)
