@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from nobubble.cli import main
 from nobubble.schedules import (
     SCHEDULE_NAMES,
     ActionKind,
@@ -19,6 +20,7 @@ from nobubble.schedules import (
     render_text,
     simulate,
 )
+from nobubble.schedules import cli as schedule_cli
 from nobubble.schedules.cli import add_arguments, run
 
 
@@ -114,14 +116,55 @@ def test_cli_all_compares_the_four(capsys):
     assert list(json.loads(capsys.readouterr().out)) == list(SCHEDULE_NAMES)
 
 
+def error_line(capsys, *argv: str) -> str:
+    """``nobubble schedule ARGV`` fails with one line (exit status 2); that line."""
+    assert main(["schedule", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("nobubble: error: ") and captured.err.count("\n") == 1
+    return captured.err
+
+
 def test_cli_errors(capsys):
-    assert cli("--schedule", "2bw", "--stages", "4", "--microbatches", "2") == 2
-    assert "error: 2bw needs microbatches >= stages" in capsys.readouterr().err
-    assert cli("--stages", "2", "--fwd", "1,1,1") == 2
-    assert "fwd lists 3 times" in capsys.readouterr().err
+    assert "2bw needs microbatches >= stages" in error_line(
+        capsys, "--schedule", "2bw", "--stages", "4", "--microbatches", "2"
+    )
+    assert "fwd lists 3 times" in error_line(capsys, "--stages", "2", "--fwd", "1,1,1")
     with pytest.raises(SystemExit):
         cli("--fwd", "fast")
     assert "expected a number or comma-separated numbers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("width", ["0", "-5"])
+def test_a_width_below_one_is_refused(capsys, width):
+    assert f"--width must be at least 1, got {width}" in error_line(capsys, "--width", width)
+
+
+@pytest.mark.parametrize("flag", ["--png", "--trace"])
+def test_an_output_file_in_a_missing_folder_is_refused_before_simulating(
+    tmp_path, capsys, monkeypatch, flag
+):
+    monkeypatch.setattr(schedule_cli, "simulate", None)  # never reached
+    target = tmp_path / "missing" / "out.file"
+    err = error_line(capsys, flag, str(target))
+    assert f"{flag} {target}: folder {target.parent} does not exist" in err
+
+
+def test_long_computations_show_progress(capsys, monkeypatch):
+    """A computation that takes longer than PROGRESS_DELAY_S draws a bar on stderr; with no delay
+    every one does, so a small case shows what a long one would."""
+    monkeypatch.setattr(schedule_cli, "PROGRESS_DELAY_S", 0.0)
+    assert cli("--schedule", "all", "--stages", "3", "--microbatches", "4", "--no-grid") == 0
+    bar = capsys.readouterr().err.split("\r")
+    assert bar[-1].startswith(f"{SCHEDULE_NAMES[-1]}: checking invariants: 100%|")  # all four done
+
+
+def test_python_dash_m_errors_are_one_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "nobubble.schedules", "--width", "0"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == "python -m nobubble.schedules: error: --width must be at least 1, got 0\n"
 
 
 def test_python_dash_m():
@@ -137,3 +180,9 @@ def test_step_marks_follow_stage_steps():
     result = result_of("1f1b", 2, 2, 2)
     steps = [t for t in result.timeline[0] if t.action.kind is ActionKind.STEP]
     assert [t.start for t in steps] == [9, 18]
+
+
+def test_the_simulation_reports_its_progress_in_shares_that_add_up_to_one():
+    shares: list[float] = []
+    simulate(lower(generate("1f1b", 4, 8, 3)), on_progress=shares.append)
+    assert len(shares) > 1 and min(shares) >= 0 and sum(shares) == pytest.approx(1.0)

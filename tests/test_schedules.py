@@ -404,6 +404,12 @@ def test_wrong_delay_is_reported():
     assert check_invariants(generate("pipedream", 4, 1, 6), "pipedream") == []
 
 
+def test_invariants_find_the_same_in_a_simulation_already_run_with_other_timings():
+    actions = generate("pipedream", 4, 1, 6)
+    timed = simulate(lower(actions), fwd=[1, 3, 2, 1], bwd=5.0, comm=0.5)
+    assert check_invariants(actions, "2bw", timed) == check_invariants(actions, "2bw") != []
+
+
 def test_backward_with_another_version_than_its_forward():
     actions = generate("1f1b", 2, 2, 2)
     i = actions[1].index(B(1, 2, 1, 1))

@@ -2,8 +2,13 @@
 
 import argparse
 
+from nobubble.config import ConfigError
 from nobubble.schedules.cli import add_arguments, run
+from nobubble.schedules.ir import ScheduleError
 
 parser = argparse.ArgumentParser(prog="python -m nobubble.schedules", description=__doc__)
 add_arguments(parser)
-raise SystemExit(run(parser.parse_args()))
+try:
+    raise SystemExit(run(parser.parse_args()))
+except (ScheduleError, ConfigError) as exc:
+    parser.exit(2, f"{parser.prog}: error: {exc}\n")

@@ -7,6 +7,9 @@ import json
 import shutil
 import sys
 
+from tqdm import tqdm
+
+from nobubble.destinations import check_output_file
 from nobubble.schedules.generators import SCHEDULE_NAMES, generate
 from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import ScheduleError
@@ -15,6 +18,8 @@ from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import render_text
 from nobubble.schedules.simulator import SimResult, simulate
 from nobubble.schedules.trace import write_trace
+
+PROGRESS_DELAY_S = 1.0  # work that takes longer draws a progress bar on stderr
 
 
 def _times(text: str) -> float | list[float]:
@@ -104,25 +109,58 @@ def comparison_table(results: dict[str, SimResult]) -> str:
     return "\n".join(lines)
 
 
+def _check(args: argparse.Namespace) -> None:
+    """What can be wrong with the flags, found before any work."""
+    if args.width < 1:
+        raise ScheduleError(f"--width must be at least 1, got {args.width}")
+    for flag, path in (("--png", args.png), ("--trace", args.trace)):
+        if path:
+            check_output_file(path, flag)
+
+
+def _progress(total: int) -> tqdm:
+    """A bar on stderr, drawn only once the work has taken PROGRESS_DELAY_S."""
+    return tqdm(
+        total=total,
+        delay=PROGRESS_DELAY_S,
+        file=sys.stderr,
+        bar_format="{desc}{percentage:3.0f}%|{bar}| {elapsed}<{remaining}",
+    )
+
+
+def _phase(bar: tqdm, text: str) -> None:
+    bar.set_description(text, refresh=False)
+    bar.update(0)  # redraws if the bar is showing (and not drawn a moment ago)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``nobubble schedule``; 0 on success, 1 if an invariant fails, 2 on bad input."""
+    """Run ``nobubble schedule``; 0 on success, 1 if an invariant fails.
+
+    Bad input raises :class:`ScheduleError` (or ConfigError for an output path) before any work.
+    """
+    _check(args)
     names = SCHEDULE_NAMES if args.schedule == "all" else (args.schedule,)
     shape = f"P={args.stages} M={args.microbatches} steps={args.steps}"
     results: dict[str, SimResult] = {}
     violations: dict[str, list[str]] = {}
-    try:
+    with _progress(len(names)) as bar:  # a schedule's simulation moves it by one
         for name in names:
+            _phase(bar, f"{name}: generating")
             actions = generate(name, args.stages, args.microbatches, args.steps)
-            results[name] = simulate(lower(actions), fwd=args.fwd, bwd=args.bwd, comm=args.comm)
-            violations[name] = check_invariants(actions, name)
-    except ScheduleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    panels = [(f"{name} {shape}", result) for name, result in results.items()]
-    if args.png:
-        render_png(panels, args.png)
-    if args.trace:
-        write_trace(panels, args.trace)
+            lowered = lower(actions)
+            _phase(bar, f"{name}: simulating")
+            results[name] = simulate(
+                lowered, fwd=args.fwd, bwd=args.bwd, comm=args.comm, on_progress=bar.update
+            )
+            _phase(bar, f"{name}: checking invariants")
+            violations[name] = check_invariants(actions, name, results[name])
+        panels = [(f"{name} {shape}", result) for name, result in results.items()]
+        if args.png:
+            _phase(bar, "drawing the PNG")
+            render_png(panels, args.png)
+        if args.trace:
+            _phase(bar, "writing the trace")
+            write_trace(panels, args.trace)
 
     if args.json:
         summaries = {

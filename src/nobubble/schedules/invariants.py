@@ -16,7 +16,7 @@ from __future__ import annotations
 from nobubble.schedules.generators import SYNC_SCHEDULES, check_schedule_name
 from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from nobubble.schedules.lowering import is_lowered, lower
-from nobubble.schedules.simulator import simulate
+from nobubble.schedules.simulator import SimResult, simulate
 
 
 def gradient_delay(schedule: str, stages: int, stage: int) -> int:
@@ -71,17 +71,24 @@ def _gradient_delays(stage_actions: list[Action], delay: int) -> list[str]:
     return problems
 
 
-def check_invariants(actions: Schedule, schedule: str) -> list[str]:
-    """All violations of ``schedule``'s invariants in ``actions`` (lowered or not); [] if none."""
+def check_invariants(
+    actions: Schedule, schedule: str, result: SimResult | None = None
+) -> list[str]:
+    """All violations of ``schedule``'s invariants in ``actions`` (lowered or not); [] if none.
+
+    ``result`` is a simulation of ``actions`` already run, with any timings (what it finds does
+    not depend on them); without it the check simulates ``actions`` itself.
+    """
     check_schedule_name(schedule)
     stages = len(actions)
     problems = _coverage(actions)
     for s, stage_actions in enumerate(actions):
         problems += _gradient_delays(stage_actions, gradient_delay(schedule, stages, s))
-    try:
-        result = simulate(actions if is_lowered(actions) else lower(actions))
-    except ScheduleError as exc:  # deadlock or malformed
-        return [*problems, str(exc)]
+    if result is None:
+        try:
+            result = simulate(actions if is_lowered(actions) else lower(actions))
+        except ScheduleError as exc:  # deadlock or malformed
+            return [*problems, str(exc)]
     problems += result.violations
     for s, held in enumerate(result.weight_versions):
         budget = version_budget(schedule, stages, s)

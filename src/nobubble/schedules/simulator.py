@@ -18,7 +18,7 @@ least any runtime executing the list must keep, and what ``weight_versions`` cou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -185,8 +185,12 @@ def simulate(
     fwd: float | Sequence[float] = 1.0,
     bwd: float | Sequence[float] = 2.0,
     comm: float = 0.0,
+    on_progress: Callable[[float], object] | None = None,
 ) -> SimResult:
-    """Run a lowered schedule; ``fwd``/``bwd`` are one time for all stages or one per stage."""
+    """Run a lowered schedule; ``fwd``/``bwd`` are one time for all stages or one per stage.
+
+    ``on_progress`` is called with the share of all actions executed since its last call.
+    """
     stages = len(lowered)
     if stages == 0:
         raise ScheduleError("the schedule has no stages")
@@ -209,6 +213,7 @@ def simulate(
     position = [0] * stages
     clock = [0.0] * stages
     timeline: list[list[TimedAction]] = [[] for _ in range(stages)]
+    total, reported = max(sum(map(len, lowered)), 1), 0.0
     progress = True
     while progress:
         progress = False
@@ -230,6 +235,10 @@ def simulate(
                 clock[s] = end
                 position[s] += 1
                 progress = True
+        if on_progress is not None:
+            done = sum(position) / total
+            on_progress(done - reported)
+            reported = done
     stuck = [lowered[s][position[s]] for s in range(stages) if position[s] < len(lowered[s])]
     if stuck:
         raise DeadlockError(stuck)
