@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -159,6 +160,11 @@ def test_simulate_errors():
         simulate(lowered, bwd=0)
     with pytest.raises(ScheduleError, match="comm latency must be >= 0"):
         simulate(lowered, comm=-1)
+    for bad in (math.nan, math.inf):  # a time must be a finite number
+        with pytest.raises(ScheduleError, match="fwd times must be positive and finite"):
+            simulate(lowered, fwd=[1, bad])
+        with pytest.raises(ScheduleError, match="comm latency must be >= 0 and finite"):
+            simulate(lowered, comm=bad)
     with pytest.raises(ScheduleError, match="already lowered"):
         lower(lowered)
 

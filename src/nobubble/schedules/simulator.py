@@ -18,6 +18,7 @@ least any runtime executing the list must keep, and what ``weight_versions`` cou
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -113,8 +114,8 @@ def _per_stage(value: float | Sequence[float], stages: int, name: str) -> list[f
         raise ScheduleError(
             f"{name} lists {len(values)} times but the schedule has {stages} stages"
         )
-    if any(v <= 0 for v in values):
-        raise ScheduleError(f"{name} times must be positive, got {values}")
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ScheduleError(f"{name} times must be positive and finite, got {values}")
     return values
 
 
@@ -198,8 +199,8 @@ def simulate(
         ActionKind.F: _per_stage(fwd, stages, "fwd"),
         ActionKind.B: _per_stage(bwd, stages, "bwd"),
     }
-    if comm < 0:
-        raise ScheduleError(f"comm latency must be >= 0, got {comm}")
+    if not (math.isfinite(comm) and comm >= 0):
+        raise ScheduleError(f"comm latency must be >= 0 and finite, got {comm}")
     for s, stage_actions in enumerate(lowered):
         for a in stage_actions:
             if a.stage != s:
