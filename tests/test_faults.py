@@ -97,7 +97,8 @@ def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages, 
     os.kill(workers_of(proc.pid)[1] if target == "last stage only" else proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output
-    assert "saved a checkpoint; continue with: nobubble train --resume" in output
+    launcher = "torchrun --nproc-per-node 2 -m nobubble" if stages else "nobubble"
+    assert f"continue with: {launcher} train --resume {tmp_path / 'cut'}" in output
     stopped = steps_logged(tmp_path / "cut")
     assert stopped < 150
     assert (tmp_path / "cut" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
@@ -144,23 +145,24 @@ def test_a_world_size_that_does_not_match_the_stages_fails_before_any_work(tmp_p
     assert not (tmp_path / "r").exists()
 
 
-def _silent_peer(rank: int, port: int, results) -> None:
+def _peer_that_never_sends(rank: int, port: int, timeout_s: float, leave: bool, results) -> None:
+    """Rank 0 waits for a gradient; rank 1 stays alive without sending, or exits (``leave``)."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    from nobubble.pipeline.comm import Channel, Messenger, PeerTimeout
+    from nobubble.pipeline.comm import Channel, Messenger, PeerFailure
 
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=2,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=datetime.timedelta(seconds=60),
     )
     if rank == 0:
-        messenger = Messenger(rank, timeout_s=1.0)
+        messenger = Messenger(rank, timeout_s=timeout_s)
         try:
             messenger.recv(
                 (2,),
@@ -171,14 +173,17 @@ def _silent_peer(rank: int, port: int, results) -> None:
                 7,
                 "the gradient of microbatch 7 (step 3)",
             )
-        except PeerTimeout as exc:
+        except PeerFailure as exc:
             results.put(str(exc))
+    elif leave:
+        dist.destroy_process_group()
+        return  # the process exits: its connection to rank 0 closes
     else:
-        time.sleep(4)  # alive but never sends
+        time.sleep(timeout_s + 3)  # alive but never sends
     dist.destroy_process_group()
 
 
-def test_a_stage_that_waits_too_long_names_the_peer_and_the_message():
+def peer_failure_message(timeout_s: float, leave: bool) -> str:
     import socket
 
     import torch.multiprocessing as mp
@@ -187,11 +192,25 @@ def test_a_stage_that_waits_too_long_names_the_peer_and_the_message():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_silent_peer, args=(port, results), nprocs=2, start_method="spawn")
-    message = results.get()
+    args = (port, timeout_s, leave, results)
+    mp.start_processes(_peer_that_never_sends, args=args, nprocs=2, start_method="spawn")
+    return results.get()
+
+
+def test_a_stage_that_waits_too_long_names_the_peer_and_the_message():
+    message = peer_failure_message(timeout_s=1.0, leave=False)
     expected = "stage 0 gave up waiting for the gradient of microbatch 7 (step 3) from stage 1"
     assert expected in message
     assert "p2p_timeout_s" in message
+
+
+def test_a_peer_that_exits_is_reported_as_gone_not_as_a_timeout():
+    """A stage that aborted (non-finite loss, bad data) must not make its peers blame a timeout."""
+    message = peer_failure_message(timeout_s=600.0, leave=True)
+    expected = "stage 0 stopped waiting for the gradient of microbatch 7 (step 3) from stage 1"
+    assert expected in message
+    assert "stage 1 exited or crashed" in message
+    assert "gave up" not in message and "p2p_timeout_s" not in message
 
 
 def test_tied_embeddings_over_several_stages_are_refused_up_front(tmp_path):

@@ -131,11 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
 def user_errors() -> tuple[type[BaseException], ...]:
     from nobubble.checkpoint import CheckpointError
     from nobubble.data import DataError
-    from nobubble.pipeline.comm import PeerTimeout
+    from nobubble.pipeline.comm import PeerFailure
     from nobubble.schedules import ScheduleError
     from nobubble.train import TrainingError
 
-    return (ConfigError, DataError, TrainingError, CheckpointError, ScheduleError, PeerTimeout)
+    return (ConfigError, DataError, TrainingError, CheckpointError, ScheduleError, PeerFailure)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

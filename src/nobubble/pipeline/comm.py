@@ -31,8 +31,8 @@ def tag(channel: Channel, sequence: int) -> int:
     return sequence * len(Channel) + int(channel)
 
 
-class PeerTimeout(RuntimeError):
-    """A stage waited longer than ``p2p_timeout_s`` for a peer."""
+class PeerFailure(RuntimeError):
+    """A peer stage did not answer in ``p2p_timeout_s``, or its connection closed (it exited)."""
 
 
 @dataclass
@@ -89,14 +89,29 @@ class Messenger:
             if pending.buffer.is_cuda:  # make the wait cover the transfer, as on the CPU
                 torch.cuda.current_stream().synchronize()
         except RuntimeError as exc:
-            raise PeerTimeout(
-                f"stage {self.rank} gave up waiting for {pending.what} from stage {pending.peer} "
-                f"(limit {self.timeout.total_seconds():.0f}s): that stage is stuck or died, see "
-                f"its log; raise p2p_timeout_s if it is only slow. Transport said: {exc}"
+            raise self._failure(
+                f"waiting for {pending.what} from stage {pending.peer}",
+                pending.peer,
+                time.perf_counter() - started,
+                exc,
             ) from None
         finally:
             self.waited_s += time.perf_counter() - started
         return pending.buffer
+
+    def _failure(self, doing: str, peer: int | None, waited: float, exc: Exception) -> PeerFailure:
+        """The error for a wait that failed: a timeout, or a peer that went away before it."""
+        limit = self.timeout.total_seconds()
+        who = f"stage {peer}" if peer is not None else "the receiving stage"
+        if waited < 0.9 * limit:  # the transport gave up early: the connection is gone
+            return PeerFailure(
+                f"stage {self.rank} stopped {doing}: {who} exited or crashed (its own error, "
+                f"in its log or above, says why). Transport said: {exc}"
+            )
+        return PeerFailure(
+            f"stage {self.rank} gave up {doing} (limit {limit:.0f}s): {who} is stuck or died, "
+            f"see its log; raise p2p_timeout_s if it is only slow. Transport said: {exc}"
+        )
 
     def recv(self, *args, **kwargs) -> torch.Tensor:
         return self.wait(self.post_recv(*args, **kwargs))
@@ -112,9 +127,8 @@ class Messenger:
             for work, _ in sends:
                 work.wait(self.timeout)
         except RuntimeError as exc:
-            raise PeerTimeout(
-                f"stage {self.rank}: a message it sent was not received within "
-                f"{self.timeout.total_seconds():.0f}s; the receiving stage is stuck or died ({exc})"
-            ) from None
+            waited = time.perf_counter() - started
+            doing = "waiting for a message it sent to be received"
+            raise self._failure(doing, None, waited, exc) from None
         finally:
             self.waited_s += time.perf_counter() - started
