@@ -3,25 +3,29 @@
 import argparse
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 
 import pytest
 
 from nobubble import report
+from nobubble.cli import main
 from nobubble.config import TrainConfig
 from nobubble.reporting.groups import compare, group_runs
 from nobubble.reporting.runs import EvalPoint, ReportError, discover
 from nobubble.reporting.target import target_rows, time_to_reach
+from tests.pipeline_helpers import SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def make_run(root: Path, final: float, finished: bool = True, **settings) -> Path:
+def make_run(
+    root: Path, final: float, finished: bool = True, name_as: str | None = None, **settings
+) -> Path:
     """A run folder as training writes it: the loss falls linearly to ``final`` over 100 s."""
-    cfg = TrainConfig(steps=100, **settings)
-    name = "-".join(f"{k}={v}" for k, v in sorted(settings.items()))
-    folder = root / name
+    cfg = TrainConfig(**{"steps": 100, **settings})
+    folder = root / (name_as or "-".join(f"{k}={v}" for k, v in sorted(settings.items())))
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(cfg.to_json())
     evals = [(0, 5.0, 0.0), (50, final + 1.0, 50.0), (100, final, 100.0)]
@@ -171,3 +175,83 @@ def test_gap_during_training(runs_dir, tmp_path):
     # (step 0, before any update, never counts); every curve is `final + 1` there
     assert row.endswith(f"| {gap:+.4f} (50) | {gap:+.4f} (50) | {gap:+.4f} (100) |")
     assert "| adamw | sync |" not in section  # a baseline has no gap to itself
+
+
+# -- diverged runs: stopped by the non-finite policy, or ended with a non-finite loss -----------
+
+DIVERGE = ["schedule=2bw", "optim=sgd", "momentum=0", "lr=1e6", "grad_clip=0", "warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def diverged_run(tmp_path_factory) -> Path:
+    """A run the non-finite policy stopped, as training leaves it (a real run of a few seconds)."""
+    out = tmp_path_factory.mktemp("diverged") / "run"
+    argv = ["train", "--no-progress", "--out", str(out), *SMALL, *DIVERGE, "steps=20"]
+    with pytest.warns(RuntimeWarning, match="non-finite loss or gradient"):
+        assert main(argv) == 2
+    assert not (out / "summary.json").exists()
+    return out
+
+
+def like(root: Path, run: Path, final: float, **changes) -> Path:
+    """A finished run with ``run``'s settings but ``changes``."""
+    config = {**json.loads((run / "config.json").read_text()), **changes}
+    settings = {k: v for k, v in config.items() if k != "out"}
+    return make_run(root, final, name_as="-".join(map(str, changes.values())), **settings)
+
+
+def test_a_run_the_nonfinite_policy_stopped_is_reported_as_diverged(diverged_run, tmp_path):
+    root = tmp_path / "runs"
+    shutil.copytree(diverged_run, root / "diverged")
+    like(root / "baseline", diverged_run, 2.0, schedule="sync")
+    assert call(str(root), "--out", str(tmp_path / "out")) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "2 runs (1 diverged) in 2 groups" in text and "## Skipped" not in text
+    rows = {line.split("|")[2].strip(): line for line in text.splitlines() if "| sgd |" in line}
+    assert "| 1 | 2.0000 | 3.0000 | baseline |" in rows["sync"]
+    assert "| 1 | diverged (1 of 1 seeds) | — | diverged |" in rows["2bw"]
+
+
+def make_diverged(root: Path, **settings) -> Path:
+    """A run folder as the non-finite policy leaves it: its last metrics line is NaN."""
+    folder = make_run(root, 0.0, finished=False, **settings)
+    lines = [
+        {"step": 0, "val_loss": 5.0, "val_bpb": 7.5, "train_time_s": 0.0},
+        {"step": 1, "train_loss": 9.0, "grad_norm": 1e9},
+        {"step": 2, "train_loss": math.nan, "grad_norm": math.nan, "skipped_stages": [0]},
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return folder
+
+
+def test_diverged_seeds_count_as_an_infinite_loss(tmp_path):
+    root = tmp_path / "runs"
+    for seed, loss in enumerate(ADAMW["sync"]):
+        make_run(root, loss, optim="adamw", schedule="sync", seed=seed)
+        make_run(root, loss + 0.1, optim="adamw", schedule="2bw", ef=True, seed=seed)
+        make_run(root, loss, optim="muon", schedule="2bw", seed=seed)
+    for seed in (0, 1):
+        make_run(root, 2.5, optim="adamw", schedule="2bw", seed=seed)
+    make_diverged(root, optim="adamw", schedule="2bw", seed=2)
+    make_run(root, math.nan, optim="muon", schedule="sync")  # trained to the end, to NaN
+    make_run(root, 9.0, finished=False, optim="lion")  # merely unfinished
+    out = tmp_path / "out"
+    assert call(str(root), "--time-to-target", "--vs", "schedule", "--out", str(out)) == 0
+    text = (out / "report.md").read_text()
+    assert "13 runs (2 diverged) in 5 groups" in text
+    assert "skipped" in text and "lion" in text
+    rows = {tuple(line.split("|")[1:3]): line for line in text.split("## Delay")[0].splitlines()}
+    assert "| 3 | diverged (1 of 3 seeds) | — | diverged |  |" in rows[" adamw ", " 2bw "]
+    assert rows[" adamw ", " 2bw+EF "].endswith("|  |")  # no EF share of an infinite gap
+    assert "| 1 | diverged (1 of 1 seeds) | — | baseline |" in rows[" muon ", " sync "]
+    assert (
+        "| 3 | 2.0100 ± 0.0100 | 3.0150 ± 0.0150 | baseline diverged |" in (rows[" muon ", " 2bw "])
+    )
+    gaps = text.split("## Delay gap during training")[1].split("## Time to target")[0]
+    assert "| adamw | 2bw+EF |" in gaps and "| adamw | 2bw |" not in gaps and "muon" not in gaps
+    target = text.split("## Time to target")[1]
+    assert "| muon |" not in target  # a diverged baseline sets no target
+    reverse = target.split("### The reverse")[1]
+    assert "| adamw | 2bw |" not in reverse  # nor does a diverged group's final loss
+    for png in ("val_loss_vs_step.png", "val_loss_vs_time.png", "final_loss_vs_schedule.png"):
+        assert (out / png).read_bytes()[:8] == PNG

@@ -1,7 +1,9 @@
 """``nobubble report RUN_FOLDERS... [--out DIR]``: tables and plots from finished runs.
 
-Unfinished run folders (no summary.json) are skipped with a warning, so a report can be drawn
-while a sweep is still running; a path that is not a run folder and holds none is an error.
+A diverged run (stopped by the non-finite policy, or ended with a non-finite loss) is reported as
+such and counts as an infinite loss. Unfinished run folders (no summary.json, not diverged) are
+skipped with a warning, so a report can be drawn while a sweep is still running; a path that is
+not a run folder and holds none is an error.
 """
 
 from __future__ import annotations
@@ -112,9 +114,11 @@ def render(
     warnings: Sequence[str],
 ) -> str:
     runs = sum(len(r.group.runs) for r in rows)
+    diverged = sum(r.group.diverged for r in rows)
+    counted = f"{runs} runs ({diverged} diverged)" if diverged else f"{runs} runs"
     parts = [
         f"# {title}",
-        f"{runs} runs in {len(rows)} groups, from: {', '.join(f'`{p}`' for p in inputs)}",
+        f"{counted} in {len(rows)} groups, from: {', '.join(f'`{p}`' for p in inputs)}",
         "## Final validation loss",
         quality_table(rows),
         QUALITY_NOTE,

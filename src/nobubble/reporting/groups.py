@@ -43,6 +43,9 @@ class Stat:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Stat:
+        """An infinite (diverged) value makes the mean infinite and the std unknown."""
+        if not all(map(math.isfinite, values)):
+            return cls(math.inf, math.nan, len(values))
         std = statistics.stdev(values) if len(values) > 1 else math.nan
         return cls(statistics.fmean(values), std, len(values))
 
@@ -72,11 +75,20 @@ class Group:
 
     @property
     def loss(self) -> Stat:
-        return Stat.of([float(r.summary["final_val_loss"]) for r in self.runs])
+        return Stat.of([r.final_loss for r in self.runs])
 
     @property
     def bpb(self) -> Stat:
-        return Stat.of([float(r.summary["final_val_bpb"]) for r in self.runs])
+        return Stat.of([r.final_bpb for r in self.runs])
+
+    @property
+    def finished(self) -> tuple[Run, ...]:
+        """The runs that did not diverge."""
+        return tuple(r for r in self.runs if not r.diverged)
+
+    @property
+    def diverged(self) -> int:
+        return len(self.runs) - len(self.finished)
 
     @property
     def curve(self) -> dict[int, float]:
@@ -147,8 +159,9 @@ class Comparison:
 
         Only steps where both this group and its baseline were evaluated count; the first
         evaluation, before any update, is left out (the gap there is zero by construction).
+        None without a baseline, or when a seed of either diverged (its gap is infinite).
         """
-        if self.baseline is None:
+        if self.baseline is None or self.group.diverged or self.baseline.diverged:
             return None
         mine, base = self.group.curve, self.baseline.curve
         steps = [s for s in mine if s in base and s > 0]
@@ -194,8 +207,8 @@ def _with_ef_share(row: Comparison, rows: Sequence[Comparison]) -> Comparison:
         ),
         None,
     )
-    if plain is None or plain.gap is None:
-        return row
+    if plain is None or plain.gap is None or not math.isfinite(plain.gap + row.gap):
+        return row  # no share of a gap that is infinite (a diverged group) or unknown
     if not plain.gap_is_clear:
         return dataclasses.replace(row, ef_unclear=True)
     return dataclasses.replace(row, ef_closed=(plain.gap - row.gap) / plain.gap)

@@ -68,7 +68,8 @@ class Curve:
 
     @classmethod
     def of(cls, group: Group) -> Curve:
-        by_step = [{p.step: p for p in run.evals} for run in group.runs]
+        """Over the group's finished runs (it has at least one): a diverged one has no curve."""
+        by_step = [{p.step: p for p in run.evals} for run in group.finished]
         steps = sorted(set.intersection(*(set(points) for points in by_step)))
         curve = cls(steps, [], [], [], [])
         for step in steps:
@@ -103,13 +104,19 @@ def plot_curves(groups: Sequence[Group], x: str, path: Path) -> None:
     curves = []
     for ax, panel in zip(axes, by_optim.values(), strict=True):
         for group in panel:
+            label = line_label(group, panel)
+            color = colors(label)
+            if group.diverged:
+                label += f" ({group.diverged} of {len(group.runs)} diverged)"
+            if not group.finished:  # only its legend entry
+                ax.plot([], [], color=color, label=label, lw=1.5)
+                continue
             curve = Curve.of(group)
             curves.append(curve)
             xs = curve.steps if x == "step" else curve.times
-            label = line_label(group, panel)
-            ax.plot(xs, curve.mean, color=colors(label), label=label, lw=1.5)
-            if len(group.runs) > 1:
-                ax.fill_between(xs, curve.low, curve.high, color=colors(label), alpha=0.2, lw=0)
+            ax.plot(xs, curve.mean, color=color, label=label, lw=1.5)
+            if len(group.finished) > 1:
+                ax.fill_between(xs, curve.low, curve.high, color=color, alpha=0.2, lw=0)
         ax.set_xlabel("step" if x == "step" else "training time (s)")
         ax.legend(fontsize="small")
     limits = loss_limits(curves)
@@ -144,7 +151,7 @@ def plot_final_vs(groups: Sequence[Group], keys: Sequence[str], path: Path) -> b
     colors = Colors()
     for ax, (key, panel) in zip(axes, chosen.values(), strict=True):
         lines: dict[str, list[Group]] = {}
-        for group in panel:
+        for group in (g for g in panel if math.isfinite(g.loss.mean)):  # diverged: no point
             lines.setdefault(line_label(group, panel, hide=[key]), []).append(group)
         for label, members in lines.items():
             members.sort(key=lambda g: g.settings[key])

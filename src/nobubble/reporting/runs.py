@@ -1,4 +1,9 @@
-"""Reading finished run folders: config.json, summary.json, the eval lines of metrics.jsonl."""
+"""Reading run folders: config.json, summary.json, the eval lines of metrics.jsonl.
+
+A run is reported when it finished (summary.json) or diverged: stopped by the non-finite policy,
+or finished with a non-finite loss. A diverged run counts as an infinite final loss, as in a
+sweep's ``best:`` values.
+"""
 
 from __future__ import annotations
 
@@ -36,9 +41,10 @@ def read_json(path: Path) -> Any:
         raise ReportError(f"cannot read {path}: {exc}") from None
 
 
-def final_loss(summary: dict[str, Any]) -> float:
-    """The summary's final validation loss; a diverged (non-finite) run counts as +inf."""
-    loss = float(summary.get("final_val_loss", math.nan))
+def final_loss(summary: dict[str, Any], key: str = "final_val_loss") -> float:
+    """The summary's final validation loss (or ``key``); a diverged run counts as +inf: one with
+    a non-finite loss, or with no summary at all (see :func:`stopped_diverged`)."""
+    loss = float(summary.get(key, math.nan))
     return loss if math.isfinite(loss) else math.inf
 
 
@@ -54,36 +60,71 @@ class EvalPoint:
 class Run:
     path: Path
     config: dict[str, Any]
-    summary: dict[str, Any]
+    summary: dict[str, Any]  # empty for a run the non-finite policy stopped
     evals: tuple[EvalPoint, ...]
 
     @property
     def settings(self) -> dict[str, Any]:
         return result_settings(self.config)
 
+    @property
+    def final_loss(self) -> float:
+        return final_loss(self.summary)
+
+    @property
+    def final_bpb(self) -> float:
+        return final_loss(self.summary, "final_val_bpb")
+
+    @property
+    def diverged(self) -> bool:
+        return self.final_loss == math.inf
+
+
+def read_metrics(metrics: Path) -> list[dict[str, Any]]:
+    """The lines of metrics.jsonl (none if it is missing)."""
+    if not metrics.exists():
+        return []
+    try:
+        return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReportError(f"cannot read {metrics}: {exc}") from None
+
 
 def read_evals(metrics: Path) -> tuple[EvalPoint, ...]:
-    points = []
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            record = json.loads(line) if line.strip() else {}
-            if "val_loss" in record:
-                points.append(
-                    EvalPoint(
-                        step=record["step"],
-                        val_loss=record["val_loss"],
-                        val_bpb=record["val_bpb"],
-                        train_time_s=record.get("train_time_s", math.nan),
-                    )
-                )
+    points = [
+        EvalPoint(
+            step=record["step"],
+            val_loss=record["val_loss"],
+            val_bpb=record["val_bpb"],
+            train_time_s=record.get("train_time_s", math.nan),
+        )
+        for record in read_metrics(metrics)
+        if "val_loss" in record
+    ]
     return tuple(sorted(points, key=lambda p: p.step))
 
 
+def stopped_diverged(folder: Path) -> bool:
+    """Whether training stopped on the non-finite policy (``nonfinite_patience``): the run has
+    no summary and its last step line has a non-finite loss or a stage that skipped its update
+    (a run cut short otherwise, even mid-line, ends with an ordinary line or none)."""
+    if (folder / "summary.json").is_file():
+        return False
+    try:
+        steps = [r for r in read_metrics(folder / "metrics.jsonl") if "train_loss" in r]
+    except ReportError:  # a line cut short by a kill: not the policy's doing
+        return False
+    return bool(steps) and (
+        not math.isfinite(steps[-1]["train_loss"]) or "skipped_stages" in steps[-1]
+    )
+
+
 def load_run(path: Path) -> Run:
+    summary = path / "summary.json"
     return Run(
         path=path,
         config=read_json(path / "config.json"),
-        summary=read_json(path / "summary.json"),
+        summary=read_json(summary) if summary.is_file() else {},
         evals=read_evals(path / "metrics.jsonl"),
     )
 
@@ -101,7 +142,7 @@ def run_folders(path: Path) -> list[Path]:
 
 
 def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
-    """Finished runs under ``paths`` and a warning for each unfinished or duplicate one.
+    """Finished and diverged runs under ``paths``; a warning for each unfinished or duplicate one.
 
     A path that neither is a run folder nor holds one is an error (most likely a typo).
     """
@@ -116,7 +157,7 @@ def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
                 "pass folders written by `nobubble train` or `nobubble sweep`"
             )
         for folder in folders:
-            if not (folder / "summary.json").is_file():
+            if not (folder / "summary.json").is_file() and not stopped_diverged(folder):
                 warnings.append(f"skipped {folder}: unfinished (no summary.json)")
                 continue
             run = load_run(folder)

@@ -33,11 +33,20 @@ def settings_label(group: Group, keys: Sequence[str]) -> str:
     return " ".join(f"{k}={fmt_value(group.settings[k])}" for k in keys)
 
 
+def fmt_final(group: Group) -> str:
+    """The final validation loss over seeds; a diverged seed makes it infinite."""
+    if math.isfinite(group.loss.mean):
+        return fmt_stat(group.loss)
+    return f"diverged ({group.diverged} of {len(group.runs)} seeds)"
+
+
 def fmt_gap(row: Comparison) -> str:
     if row.group.is_baseline:
         return "baseline"
     if row.gap is None:
         return "—"
+    if not math.isfinite(row.gap):
+        return "diverged" if row.group.diverged else "baseline diverged"
     se = f" ± {row.gap_se:.4f}" if row.gap_se else ""
     return f"{row.gap:+.4f}{se}"
 
@@ -64,8 +73,8 @@ def quality_table(rows: Sequence[Comparison]) -> str:
         [
             *_who(r.group, keys),
             str(len(r.group.runs)),
-            fmt_stat(r.group.loss),
-            fmt_stat(r.group.bpb),
+            fmt_final(r.group),
+            fmt_stat(r.group.bpb) if math.isfinite(r.group.bpb.mean) else "—",
             fmt_gap(r),
             fmt_ef(r),
         ]

@@ -11,6 +11,7 @@ reach: the reverse comparison times the baseline to the delayed group's own fina
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,8 +81,11 @@ def target_rows(rows: Sequence[Comparison]) -> list[TargetRow]:
     out: list[TargetRow] = []
     baselines: list[Group] = []
     for row in rows:
-        if row.baseline is not None and all(row.baseline is not b for b in baselines):
-            baselines.append(row.baseline)
+        baseline = row.baseline
+        if baseline is None or not math.isfinite(baseline.loss.mean):  # diverged: no target
+            continue
+        if all(baseline is not b for b in baselines):
+            baselines.append(baseline)
     for baseline in baselines:
         target = baseline.loss.mean
         own = _final_times(baseline)
@@ -98,8 +102,8 @@ def reverse_rows(rows: Sequence[Comparison]) -> list[ReverseRow]:
     """For every delayed group: its final loss, its time, and the baseline's time to that loss."""
     out = []
     for row in rows:
-        if row.baseline is None:
-            continue
+        if row.baseline is None or not math.isfinite(row.group.loss.mean + row.baseline.loss.mean):
+            continue  # a diverged side
         target = row.group.loss.mean
         own = _final_times(row.group)
         base = times_to_reach(row.baseline, target)
