@@ -352,3 +352,34 @@ def test_phases_left_out_with_phase_are_checked_too(tmp_path, launches):
     with pytest.raises(SweepError, match=re.escape("b/eps=0.0: eps must be positive")):
         call("--config", str(write(tmp_path, text)), "--phase", "a")
     assert launches == []
+
+
+# -- a run the non-finite policy stopped is done: it counts as an infinite loss ----------------
+
+
+def diverge(run: PlannedRun) -> None:
+    """Make ``run``'s folder look like a run the non-finite policy stopped (no summary)."""
+    run.path.mkdir(parents=True)
+    (run.path / "config.json").write_text(json.dumps(run.config.to_dict()))
+    lines = [{"step": 0, "val_loss": 5.0}, {"step": 1, "train_loss": math.nan}]
+    (run.path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_a_run_that_diverged_in_an_earlier_session_is_done(tmp_path, launches, capsys):
+    path = write(tmp_path, PHASED)
+    spec = load_sweep(path)
+    lr_sweep = plan(spec, "lr_sweep", {})
+    for run in lr_sweep:
+        if run.config.optim == "muon" and run.config.lr == 0.01:
+            diverge(run)
+        else:
+            finish(run, 2.0 + run.config.lr)
+    diverged = next(r for r in lr_sweep if r.path.name == "optim=muon,lr=0.01,seed=0")
+    assert diverged.status() is Status.DIVERGED and finished_loss(diverged) == math.inf
+    assert call("--config", str(path), "--phase", "lr_sweep", "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert "lr_sweep: 8 runs, 8 complete (2 diverged), 0 to run" in out
+    assert "  diverged optim=muon,lr=0.01,seed=0" in out
+    assert call("--config", str(path), "--phase", "main") == 0  # not waiting for lr_sweep
+    assert {r.config.lr for r in launches if r.config.optim == "muon"} == {0.001}
+    assert (tmp_path / "runs" / "lr_sweep" / diverged.name).is_dir()  # never deleted

@@ -137,10 +137,12 @@ class SweepRun:
     def run_phase(self, phase: Phase, runs: list[PlannedRun]) -> None:
         statuses = [run.status() for run in runs]
         _check_conflicts(runs, statuses)
-        todo = [r for r, s in zip(runs, statuses, strict=True) if s is not Status.COMPLETE]
+        todo = [r for r, s in zip(runs, statuses, strict=True) if not s.done]
         complete = len(runs) - len(todo)
         self.tally.skipped += complete
-        print(f"{_phase_title(phase)}: {len(runs)} runs, {complete} complete, {len(todo)} to run")
+        diverged = statuses.count(Status.DIVERGED)
+        complete_text = f"{complete} complete" + (f" ({diverged} diverged)" if diverged else "")
+        print(f"{_phase_title(phase)}: {len(runs)} runs, {complete_text}, {len(todo)} to run")
         if self.args.dry_run:
             for run, status in zip(runs, statuses, strict=True):
                 print(f"  {status.value:<5} {run.name}")

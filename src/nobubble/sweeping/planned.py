@@ -1,9 +1,11 @@
 """A planned run: its full config, its folder, and the state that folder is in.
 
 A run is complete when its folder holds summary.json and a config.json with the same result
-settings as planned (folder, threads and progress bar aside). A folder with a matching config but
-no summary is half-done: it is removed and run again. A folder with any other content is never
-touched: the sweep stops and says which folder and which settings differ.
+settings as planned (folder, threads and progress bar aside). Without a summary it is diverged if
+the non-finite policy stopped it (:func:`~nobubble.reporting.runs.stopped_diverged`): done, like
+a complete run, with an infinite loss; otherwise it is half-done: removed and run again. A folder
+with any other content is never touched: the sweep stops and says which folder and which
+settings differ.
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nobubble.config import TrainConfig
-from nobubble.reporting.runs import final_loss, result_settings
+from nobubble.reporting.runs import final_loss, result_settings, stopped_diverged
 
 
 class Status(enum.Enum):
     NEW = "run"
     PARTIAL = "rerun"  # half-done: removed, then run again
     COMPLETE = "skip"
+    DIVERGED = "diverged"  # stopped by the non-finite policy: done, an infinite loss
     CONFLICT = "CONFLICT"
+
+    @property
+    def done(self) -> bool:
+        return self in (Status.COMPLETE, Status.DIVERGED)
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,9 @@ class PlannedRun:
             return Status.NEW
         if self.conflict() is not None:
             return Status.CONFLICT
-        return Status.COMPLETE if self.summary_path.is_file() else Status.PARTIAL
+        if self.summary_path.is_file():
+            return Status.COMPLETE
+        return Status.DIVERGED if stopped_diverged(self.path) else Status.PARTIAL
 
     def conflict(self) -> str | None:
         """Why the folder cannot hold this run, or None if it can."""
@@ -75,7 +84,9 @@ LossOf = Callable[[PlannedRun], float | None]
 
 
 def finished_loss(run: PlannedRun, failed: Collection[Path] = ()) -> float | None:
-    """A complete run's final loss, inf for a run in ``failed``, None for an unfinished one."""
-    if run.status() is Status.COMPLETE:
+    """A complete run's final loss, inf for a diverged run or one in ``failed``, None for an
+    unfinished one."""
+    status = run.status()
+    if status is Status.COMPLETE:
         return final_loss(json.loads(run.summary_path.read_text()))
-    return math.inf if run.path in failed else None
+    return math.inf if status is Status.DIVERGED or run.path in failed else None
