@@ -367,6 +367,6 @@ def _check_model(cfg: TrainConfig) -> None:
     partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
     if mc.tie_embeddings and cfg.stages > 1:
         raise ConfigError(
-            f"tie_embeddings needs the embedding and the head on one stage, but stages="
-            f"{cfg.stages}; set tie_embeddings=false to pipeline preset {cfg.preset!r}"
+            f"the head is tied to the embedding (tie_embeddings), so both must live on one stage, "
+            f"but stages={cfg.stages}; set tie_embeddings=false to pipeline it over several stages"
         )
