@@ -138,9 +138,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, TrainingError, CheckpointError, ScheduleError, PeerFailure)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except user_errors() as exc:
@@ -149,3 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("nobubble: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    code = run_command(build_parser().parse_args(argv))
+    process_group = sys.modules.get("nobubble.pipeline.process_group")  # only if a run used one
+    return process_group.exit_code(code) if process_group else code

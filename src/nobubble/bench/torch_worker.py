@@ -20,6 +20,7 @@ peers), measured on gloo only: on NCCL that call returns before the transfer is 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,7 +35,13 @@ from nobubble.config import TrainConfig, build_config, parse_overrides
 from nobubble.engine import clip_stage, peak_memory_mb
 from nobubble.model import Stage, lm_loss, model_config, partition
 from nobubble.optim import build_optimizer, lr_at, set_lr
-from nobubble.pipeline.launch import build_stage_data, device_and_backend
+from nobubble.pipeline.launch import build_stage_data
+from nobubble.pipeline.process_group import (
+    close_process_group,
+    device_and_backend,
+    exit_code,
+    open_process_group,
+)
 from nobubble.runfolder import RunFolder
 from nobubble.simulated import autocast
 from nobubble.train import configure_torch
@@ -164,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = build_config(parse_overrides(args.overrides), {"out": args.out})
     configure_torch(cfg)
     device, backend = device_and_backend(cfg)
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    open_process_group(backend, device, rank, world, cfg.p2p_timeout_s)
     try:
         run_dir = Path(args.out)
         run = RunFolder.create(cfg, overwrite=True) if dist.get_rank() == 0 else None
@@ -173,8 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if run is not None:
             write_run(cfg, run, reports)
     finally:
-        dist.destroy_process_group()
-    return 0
+        close_process_group()
+    return exit_code(0)
 
 
 if __name__ == "__main__":

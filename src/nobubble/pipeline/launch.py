@@ -6,21 +6,24 @@ the same data (reusing the tokenizer rank 0 saved); stages in between load no da
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle, build_data
 from nobubble.interrupt import stop_on_signals
 from nobubble.model import PRESETS, model_config
+from nobubble.pipeline.process_group import (
+    close_process_group,
+    device_and_backend,
+    open_process_group,
+)
 from nobubble.resume import open_run
 from nobubble.runfolder import RunFolder
-from nobubble.train import configure_torch, resolve_device, restore_checkpoint, run_training
+from nobubble.train import configure_torch, restore_checkpoint, run_training
 
 
 def launched_by_torchrun() -> bool:
@@ -66,35 +69,6 @@ def build_stage_data(
     return data, vocab, val_batches
 
 
-def device_and_backend(cfg: TrainConfig) -> tuple[torch.device, str]:
-    """This rank's device (one GPU per local rank) and the process-group backend for it."""
-    device = resolve_device(cfg.device)
-    if device.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return device, "gloo"
-
-
-def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store, with keys private to this torchrun attempt.
-
-    After a restart (``--max-restarts``), torch 2.13's default env:// store hands the new workers
-    the previous attempt's gloo addresses and the connection fails; a prefix per attempt avoids
-    that. Under torchrun the agent hosts the store; under other launchers rank 0 does.
-    """
-    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=rank == 0 and not agent_hosts_it,
-        timeout=timeout,
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"nobubble/attempt_{attempt}/", store)
-
-
 def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
@@ -113,15 +87,7 @@ def train_pipeline(
     check_world(cfg, world)
     configure_torch(cfg)
     device, backend = device_and_backend(cfg)
-    timeout = datetime.timedelta(seconds=cfg.p2p_timeout_s)
-    dist.init_process_group(
-        backend,
-        store=attempt_store(rank, world, timeout),
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        device_id=device if backend == "nccl" else None,
-    )
+    open_process_group(backend, device, rank, world, cfg.p2p_timeout_s)
     auto_resume = auto_resume or restarted_by_torchrun()
     try:
         opened = open_run(cfg, overwrite, resume, auto_resume) if rank == 0 else None
@@ -147,4 +113,4 @@ def train_pipeline(
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         return run.path
     finally:
-        dist.destroy_process_group()
+        close_process_group()
