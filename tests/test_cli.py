@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import re
 import string
 
 import pytest
@@ -80,6 +81,16 @@ def test_bad_input_gets_one_clear_line_and_leaves_nothing(tmp_path, capsys, args
     assert err.startswith("nobubble: error: ") and message in err
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_non_finite_abort_records_the_step_that_aborted(tmp_path, capsys):
+    out = tmp_path / "run"
+    diverge = ["lr=1e30", "grad_clip=0", "warmup_steps=0", "nonfinite_patience=3", "log_every=50"]
+    with pytest.warns(RuntimeWarning, match="non-finite loss or gradient"):
+        assert train("--out", str(out), *SMALL, *diverge, "steps=20") == 2
+    last = int(re.search(r"last at step (\d+)", capsys.readouterr().err).group(1))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == last and rows[-1]["skipped_stages"] == [0]
 
 
 def test_schedule_command_is_wired(capsys):

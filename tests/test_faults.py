@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -136,6 +137,8 @@ def test_non_finite_gradients_abort_after_the_patience(tmp_path, stages):
     lines = [json.loads(line) for line in text.splitlines()]
     skipped = [r["step"] for r in lines if r.get("skipped_stages")]
     assert len(skipped) >= 2  # the steps that went bad were skipped and logged
+    last = re.search(r"last at step (\d+)", result.stderr).group(1)
+    assert lines[-1]["step"] == int(last)  # the step that stopped the run too
 
 
 def test_a_world_size_that_does_not_match_the_stages_fails_before_any_work(tmp_path):

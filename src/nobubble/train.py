@@ -95,11 +95,11 @@ class StepLogger:
 
     def on_step(self, stats: StepStats) -> None:
         self.done = stats.step + 1
-        self.check_finite(stats)
+        abort = self.count_nonfinite(stats)
         rate = self.tokens_per_s(time.perf_counter() - self.segment_start)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
-        if self.done % self.cfg.log_every and self.done != self.cfg.steps:
+        if not abort and self.done % self.cfg.log_every and self.done != self.cfg.steps:
             return
         self.flush()
         record = {
@@ -113,11 +113,15 @@ class StepLogger:
         if stats.skipped_stages:
             record["skipped_stages"] = stats.skipped_stages
         self.pending = record
+        if abort:
+            self.flush()  # the step that ends the run is in metrics.jsonl too
+            raise abort
 
-    def check_finite(self, stats: StepStats) -> None:
+    def count_nonfinite(self, stats: StepStats) -> TrainingError | None:
+        """Warn about a non-finite step; the error to stop with once the patience is spent."""
         if not stats.skipped_stages and math.isfinite(stats.loss):
             self.bad_in_a_row = 0
-            return
+            return None
         self.bad_in_a_row += 1
         warnings.warn(
             f"step {stats.step + 1}: non-finite loss or gradient (loss {stats.loss}); stages "
@@ -125,11 +129,12 @@ class StepLogger:
             RuntimeWarning,
             stacklevel=2,
         )
-        if self.bad_in_a_row >= self.cfg.nonfinite_patience:
-            raise TrainingError(
-                f"{self.bad_in_a_row} steps in a row had non-finite gradients (last at step "
-                f"{stats.step + 1}); lower the learning rate, enable grad_clip, or check the data"
-            )
+        if self.bad_in_a_row < self.cfg.nonfinite_patience:
+            return None
+        return TrainingError(
+            f"{self.bad_in_a_row} steps in a row had non-finite gradients (last at step "
+            f"{stats.step + 1}); lower the learning rate, enable grad_clip, or check the data"
+        )
 
     def on_eval(self, step: int, sums: EvalSums) -> None:
         if not self.enabled:
