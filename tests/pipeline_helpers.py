@@ -66,6 +66,14 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
     return newest_weights(newest)
 
 
+def snapshot(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every path under ``root``: its modification time and, for a file, its contents."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
 def assert_same_run(a: Path, b: Path) -> None:
     """Same loss trajectory and final weights, bit for bit."""
     assert losses(a) == losses(b)

@@ -2,12 +2,13 @@
 
 import json
 import shutil
+import warnings
 
 import pytest
 
 from nobubble.checkpoint import verify_checkpoint
 from nobubble.cli import main
-from tests.pipeline_helpers import SMALL, assert_same_run, metrics
+from tests.pipeline_helpers import SMALL, assert_same_run, metrics, snapshot
 
 
 def train(out, *args: str) -> int:
@@ -148,3 +149,32 @@ def test_auto_resume_continues_the_same_run_and_refuses_another(tmp_path, capsys
     assert_same_run(tmp_path / "full", tmp_path / "cut")
     assert train(tmp_path / "cut", *settings, "lr=1e-2", "--auto-resume") == 2
     assert "cannot continue" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["corrupt checkpoints", "no checkpoints", "only config.json"])
+def test_auto_resume_never_deletes_a_run_it_cannot_continue(tmp_path, capsys, damage):
+    run, settings = tmp_path / "r", ["steps=4", "checkpoint_every=2"]
+    assert train(run, *settings) == 0
+    if damage == "corrupt checkpoints":
+        for weights in run.glob("checkpoints/step_*/shard_0/weights.safetensors"):
+            weights.write_bytes(weights.read_bytes()[:-1])
+    elif damage == "no checkpoints":
+        shutil.rmtree(run / "checkpoints")
+    else:  # what a setup that crashed before training anything could have left
+        for path in run.iterdir():
+            if path.name != "config.json":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    before = snapshot(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warnings naming each corrupt checkpoint
+        assert train(run, *settings, "--auto-resume") == 2
+    err = capsys.readouterr().err
+    assert f"{run} holds no complete checkpoint to resume from" in err
+    assert "--overwrite" in err and "Traceback" not in err
+    assert snapshot(tmp_path) == before
+
+
+def test_auto_resume_starts_a_run_in_an_empty_folder(tmp_path):
+    (tmp_path / "r").mkdir()
+    assert train(tmp_path / "r", "steps=2", "--auto-resume") == 0
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2

@@ -46,6 +46,10 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def checkpoint_step(folder: Path) -> int:
+    return int(folder.name.split("_")[1])
+
+
 def staging_dir(root: Path, step: int) -> Path:
     return root / f".tmp-{checkpoint_name(step)}"
 
@@ -115,8 +119,12 @@ def load_shard(folder: Path, index: int) -> tuple[dict[str, torch.Tensor], dict[
     shard = folder / shard_name(index)
     tensors = load_file(shard / "weights.safetensors")
     state = torch.load(shard / "state.pt", weights_only=False)
-    meta = json.loads((shard / "meta.json").read_text())
-    return tensors, state, meta
+    return tensors, state, read_meta(folder, index)
+
+
+def read_meta(folder: Path, index: int = 0) -> dict:
+    """The JSON metadata of one shard (data position, config, tokenizer checksum, time)."""
+    return json.loads((folder / shard_name(index) / "meta.json").read_text())
 
 
 def newest_weights(folder: Path) -> dict[str, torch.Tensor]:

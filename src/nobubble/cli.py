@@ -100,18 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a model (one process: simulation; under torchrun: the pipeline)"
     )
     add_config_arguments(train_parser)
-    train_parser.add_argument(
-        "--overwrite", action="store_true", help="replace the run folder if it already holds files"
+    run_folder = train_parser.add_mutually_exclusive_group()
+    run_folder.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in --out, once the new run is set up and ready to start",
     )
-    train_parser.add_argument(
+    run_folder.add_argument(
         "--resume",
         metavar="RUN_FOLDER",
         help="continue a run from its newest valid checkpoint (flags may change only safe keys)",
     )
-    train_parser.add_argument(
+    run_folder.add_argument(
         "--auto-resume",
         action="store_true",
-        help="with --out: resume that run if it has a checkpoint, else start it (for restarts)",
+        help="with --out: continue the run there, or start it if the folder is empty or absent "
+        "(for restarts); never deletes anything",
     )
     train_parser.set_defaults(func=cmd_train)
 

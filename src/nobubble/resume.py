@@ -1,19 +1,31 @@
-"""Opening a run folder to train into: a fresh run, an explicit resume, or an automatic one.
+"""Opening a run folder to train into: a new run, an explicit resume, or an automatic one.
 
 A resumed run continues from the newest checkpoint whose checksums verify (older ones are the
 fallback when the newest is corrupt), with the saved configuration: only the fields in
 ``SAFE_TO_CHANGE`` may differ, everything else would make the continuation a different run.
+
+Opening checks everything it can up front and changes no file: the caller sets the run up in
+``work``, then :meth:`commit` makes it the run (or :meth:`discard` undoes the setup). Nothing
+here ever deletes a run it was asked to continue.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-from nobubble.checkpoint import CheckpointError, verify_checkpoint
+from nobubble.checkpoint import (
+    CheckpointError,
+    checkpoint_step,
+    read_meta,
+    sha256,
+    verify_checkpoint,
+)
 from nobubble.config import FIELDS, ConfigError, TrainConfig, build_config
-from nobubble.runfolder import RunFolder, default_run_dir, write_json_atomic
+from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, write_json_atomic
 
 SAFE_TO_CHANGE = frozenset(
     {
@@ -36,6 +48,13 @@ def saved_config(run_dir: Path) -> dict:
 
 def resumed_config(run_dir: Path, *layers: dict) -> TrainConfig:
     """The saved config of ``run_dir`` with ``layers`` applied, if they only change safe fields."""
+    for layer in layers:
+        out = layer.get("out")
+        if out is not None and Path(out).resolve() != run_dir.resolve():
+            raise ConfigError(
+                f"--resume continues {run_dir} in place, so out={out} cannot apply; drop --out "
+                "(to branch a run, copy its folder and resume the copy)"
+            )
     saved = build_config(saved_config(run_dir))
     cfg = build_config(saved.to_dict(), *layers, {"out": str(run_dir)})
     check_compatible(saved, cfg, run_dir)
@@ -53,15 +72,16 @@ def check_compatible(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> Non
             )
 
 
-def latest_valid_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint that verifies, warning about every newer one that does not."""
+def latest_valid_checkpoint(root: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint that verifies and its manifest, warning about every newer one that
+    does not."""
     for folder in sorted(root.glob("step_*"), reverse=True):
         try:
-            verify_checkpoint(folder)
+            manifest = verify_checkpoint(folder)
         except CheckpointError as exc:
             warnings.warn(f"{exc}; falling back to an older checkpoint", stacklevel=2)
             continue
-        return folder
+        return folder, manifest
     return None
 
 
@@ -82,27 +102,86 @@ def truncate_metrics(run: RunFolder, step: int) -> None:
     tmp.replace(run.metrics_path)
 
 
-def open_run(
-    cfg: TrainConfig, overwrite: bool = False, resume: bool = False, auto_resume: bool = False
-) -> tuple[RunFolder, Path | None]:
-    """Create the run folder, or reopen it to resume; return it and the checkpoint to load.
+def tokenizer_digest(run_dir: Path) -> str | None:
+    path = run_dir / "tokenizer.json"
+    return sha256(path) if path.is_file() else None
 
-    ``resume``: the folder must hold a valid checkpoint. ``auto_resume``: resume if the folder
-    holds this run with a valid checkpoint, else start it (over) from scratch.
+
+def resume_command(run_dir: Path, shards: int) -> str:
+    """The command that continues ``run_dir`` from a checkpoint of ``shards`` shards."""
+    launcher = f"torchrun --nproc-per-node {shards} -m nobubble" if shards > 1 else "nobubble"
+    return f"{launcher} train --resume {shlex.quote(str(run_dir))}"
+
+
+def _processes(count: int) -> str:
+    return f"the pipeline ({count} processes)" if count > 1 else "one process"
+
+
+@dataclass
+class Resumption:
+    """A run to continue from ``checkpoint``, set up in place: the setup writes nothing, and
+    :meth:`commit` updates config.json and metrics.jsonl for the continuation."""
+
+    cfg: TrainConfig
+    work: Path
+    checkpoint: Path
+
+    def commit(self) -> RunFolder:
+        run = RunFolder(self.work)
+        write_json_atomic(run.config_path, self.cfg.to_dict())
+        truncate_metrics(run, checkpoint_step(self.checkpoint))
+        return run
+
+    def discard(self) -> None:
+        """Nothing to undo."""
+
+
+def reopen(cfg: TrainConfig, path: Path, world: int) -> Resumption:
+    """Check that ``path`` holds this run and a checkpoint that ``world`` processes can load."""
+    check_compatible(build_config(saved_config(path)), cfg, path)
+    found = latest_valid_checkpoint(path / "checkpoints")
+    if found is None:
+        tried = len(list((path / "checkpoints").glob("step_*")))
+        why = f"{tried} failed verification, see the warnings above" if tried else "it has none"
+        raise CheckpointError(
+            f"{path} holds no complete checkpoint to resume from ({why}); nothing was changed. "
+            "Restore its checkpoints to continue it, start it over with --overwrite (which "
+            "replaces the folder), or choose another --out"
+        )
+    checkpoint, manifest = found
+    if manifest["shards"] != world:
+        raise CheckpointError(
+            f"{checkpoint} was saved by {_processes(manifest['shards'])} and this command runs "
+            f"{_processes(world)}; a checkpoint cannot move between the two yet (it is not keyed "
+            f"by parameter name). Continue it with: {resume_command(path, manifest['shards'])}"
+        )
+    if read_meta(checkpoint).get("tokenizer_sha256") != tokenizer_digest(path):
+        raise CheckpointError(
+            f"{path / 'tokenizer.json'} is not the tokenizer {checkpoint} was trained with; "
+            "restore the run's original tokenizer.json"
+        )
+    return Resumption(cfg, path, checkpoint)
+
+
+def open_run(
+    cfg: TrainConfig,
+    overwrite: bool = False,
+    resume: bool = False,
+    auto_resume: bool = False,
+    world: int = 1,
+) -> NewRun | Resumption:
+    """Check up front and prepare the run to train, changing no file of an existing run.
+
+    ``resume``: continue the run in ``cfg.out`` (it must have a valid checkpoint). ``auto_resume``:
+    the same if that folder holds anything, else start a new run there. ``world``: the processes
+    that will load the checkpoint (1, or the pipeline's stages).
     """
-    path = Path(cfg.out) if cfg.out else default_run_dir(cfg)
-    if resume or (auto_resume and (path / "config.json").is_file()):
-        check_compatible(build_config(saved_config(path)), cfg, path)
-        checkpoint = latest_valid_checkpoint(path / "checkpoints")
-        if checkpoint is not None:
-            run = RunFolder(path)
-            write_json_atomic(run.config_path, cfg.to_dict())
-            truncate_metrics(run, int(checkpoint.name.split("_")[1]))
-            return run, checkpoint
-        if resume:
-            raise CheckpointError(
-                f"{path} holds no complete checkpoint to resume from; start a new run instead "
-                "(another --out, or --overwrite to replace this one)"
-            )
-        overwrite = True  # the same run, with nothing saved yet: start it over
-    return RunFolder.create(cfg, overwrite=overwrite), None
+    if auto_resume and not cfg.out:
+        raise ConfigError(
+            "--auto-resume needs --out: it continues the run in that folder (without --out "
+            "every run gets a new one)"
+        )
+    path = run_path(cfg)
+    if resume or (auto_resume and holds_files(path)):
+        return reopen(cfg, path, world)
+    return NewRun(cfg, path, overwrite)

@@ -7,7 +7,6 @@ a pipeline only drains where something needs the newest weights of every stage.
 from __future__ import annotations
 
 import math
-import shutil
 import signal
 import time
 import warnings
@@ -18,12 +17,10 @@ import torch
 from tqdm import tqdm
 
 from nobubble.checkpoint import (
-    CheckpointError,
     checkpoint_name,
     load_shard,
     prune,
     publish,
-    sha256,
     staging_dir,
     write_shard,
 )
@@ -33,7 +30,7 @@ from nobubble.engine import Engine, StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model import model_config
-from nobubble.resume import open_run
+from nobubble.resume import open_run, resume_command, tokenizer_digest
 from nobubble.runfolder import RunFolder
 
 
@@ -158,11 +155,6 @@ class StepLogger:
         self.bar.close()
 
 
-def tokenizer_digest(run: RunFolder) -> str | None:
-    path = run.path / "tokenizer.json"
-    return sha256(path) if path.is_file() else None
-
-
 def save_checkpoint(
     run: RunFolder, engine: Engine, data: DataBundle | None, cfg: TrainConfig
 ) -> None:
@@ -172,7 +164,7 @@ def save_checkpoint(
     meta = {
         "step": engine.step,
         "data": data.train.state_dict() if data else None,
-        "tokenizer_sha256": tokenizer_digest(run),
+        "tokenizer_sha256": tokenizer_digest(run.path),
         "config": cfg.to_dict(),
     }
     write_shard(
@@ -190,16 +182,12 @@ def save_checkpoint(
     engine.barrier()
 
 
-def restore_checkpoint(
-    folder: Path, run: RunFolder, engine: Engine, data: DataBundle | None
-) -> None:
-    """Load this rank's shard of a verified checkpoint into the engine and the data position."""
+def restore_checkpoint(folder: Path | None, engine: Engine, data: DataBundle | None) -> None:
+    """Load this rank's shard of a verified checkpoint (if any) into the engine and the data
+    position."""
+    if folder is None:
+        return
     tensors, state, meta = load_shard(folder, engine.rank)
-    if meta.get("tokenizer_sha256") != tokenizer_digest(run):
-        raise CheckpointError(
-            f"{run.path / 'tokenizer.json'} is not the tokenizer {folder} was trained with; "
-            "restore the run's original tokenizer.json"
-        )
     engine.restore(tensors, state["engine"])
     torch.set_rng_state(state["torch_rng"])
     if data is not None:
@@ -239,7 +227,7 @@ def run_training(
                 raise Interrupted(
                     getattr(should_stop, "signum", None) or signal.SIGTERM,
                     f"stopped at step {engine.step} and saved a checkpoint; continue with: "
-                    f"nobubble train --resume {run.path}",
+                    f"{resume_command(run.path, engine.world)}",
                 )
             if stop in evals:
                 log.on_eval(stop, engine.evaluate(val, token_bytes))
@@ -279,18 +267,21 @@ def train(
 
     configure_torch(cfg)
     device = resolve_device(cfg.device)
-    run, checkpoint = open_run(cfg, overwrite, resume, auto_resume)
+    setup = open_run(cfg, overwrite, resume, auto_resume)
     try:
-        data = build_data(cfg, run.path)
+        data = build_data(cfg, setup.work)
         mc = model_config(cfg, data.tokenizer.vocab_size)
         engine = SimulatedEngine(cfg, mc, device)
-        if checkpoint is not None:
-            restore_checkpoint(checkpoint, run, engine, data)
+        restore_checkpoint(setup.checkpoint, engine, data)
+        run = setup.commit()
     except BaseException:
-        if checkpoint is None:
-            shutil.rmtree(run.path)  # nothing was trained: leave no half-made run behind
+        setup.discard()
         raise
-    print(f"run folder: {run.path}" + (f" (resuming {checkpoint.name})" if checkpoint else ""))
+    print(f"run folder: {run.path}{resuming(setup.checkpoint)}")
     with stop_on_signals() as stop:
         run_training(cfg, run, data, engine, stop)
     return run.path
+
+
+def resuming(checkpoint: Path | None) -> str:
+    return f" (resuming {checkpoint.name})" if checkpoint else ""

@@ -1,14 +1,17 @@
 """Start a pipeline run under torchrun: one process per stage, the same training loop on each.
 
-Rank 0 (the first stage) creates the run folder and builds the data; the last stage then builds
-the same data (reusing the tokenizer rank 0 saved); stages in between load no data at all.
+Rank 0 (the first stage) opens the run (a new one is set up in a folder beside its run folder)
+and builds the data; the last stage then builds the same data (reusing the tokenizer rank 0 saved
+there); stages in between load no data at all. The run folder changes only once every stage is set
+up.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -22,8 +25,14 @@ from nobubble.pipeline.process_group import (
     open_process_group,
 )
 from nobubble.resume import open_run
-from nobubble.runfolder import RunFolder
-from nobubble.train import configure_torch, restore_checkpoint, run_training
+from nobubble.train import (
+    configure_torch,
+    restore_checkpoint,
+    resuming,
+    run_training,
+)
+
+T = TypeVar("T")
 
 
 def launched_by_torchrun() -> bool:
@@ -40,6 +49,10 @@ def check_world(cfg: TrainConfig, world: int) -> None:
             f"preset {cfg.preset!r} ties the head to the embedding, which must then live on one "
             "stage; set tie_embeddings=false to pipeline it over several stages"
         )
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and not cfg.out:
+        raise ConfigError(
+            "torchrun --max-restarts resumes a restarted run from its folder, so it needs --out"
+        )
     if world != cfg.stages:
         raise ConfigError(
             f"torchrun started {world} processes but the config asks for stages={cfg.stages}; "
@@ -51,6 +64,21 @@ def _broadcast(value: object) -> object:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _from_rank0(rank: int, make: Callable[[], T]) -> T:
+    """``make()`` on rank 0, shared with every rank; whatever it raises is raised on every rank
+    (so that no stage waits for a result that will never come)."""
+    outcome: object = None
+    if rank == 0:
+        try:
+            outcome = make()
+        except Exception as exc:  # raised again below, on every rank
+            outcome = exc
+    outcome = _broadcast(outcome)
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome  # type: ignore[return-value]
 
 
 def build_stage_data(
@@ -90,24 +118,20 @@ def train_pipeline(
     open_process_group(backend, device, rank, world, cfg.p2p_timeout_s)
     auto_resume = auto_resume or restarted_by_torchrun()
     try:
-        opened = open_run(cfg, overwrite, resume, auto_resume) if rank == 0 else None
-        path, checkpoint = _broadcast(
-            (str(opened[0].path), opened[1] and str(opened[1])) if opened else None
-        )
-        run, checkpoint = RunFolder(Path(path)), checkpoint and Path(checkpoint)
-        try:
-            data, vocab, val_batches = build_stage_data(cfg, run.path, rank, world)
+        setup = None
+        try:  # rank 0 opens the run (a new one in its setup folder); every stage sets up
+            setup = _from_rank0(rank, lambda: open_run(cfg, overwrite, resume, auto_resume, world))
+            data, vocab, val_batches = build_stage_data(cfg, setup.work, rank, world)
             engine = PipelineEngine(cfg, model_config(cfg, vocab), device, val_batches)
-            if checkpoint is not None:
-                restore_checkpoint(checkpoint, run, engine, data)
+            restore_checkpoint(setup.checkpoint, engine, data)
+            dist.barrier()  # every stage is ready: only now may the run folder change
+            run = _from_rank0(rank, setup.commit)
         except BaseException:
-            if rank == 0 and checkpoint is None:
-                shutil.rmtree(run.path, ignore_errors=True)
+            if rank == 0 and setup is not None:
+                setup.discard()
             raise
         if rank == 0:
-            resuming = f" (resuming {checkpoint.name})" if checkpoint else ""
-            print(f"run folder: {run.path}{resuming}", flush=True)
-        dist.barrier()
+            print(f"run folder: {run.path}{resuming(setup.checkpoint)}", flush=True)
         with stop_on_signals(announce=rank == 0) as stop:
             run_training(cfg, run, data, engine, stop)
         dist.barrier()  # nobody tears the group down while a peer still talks to it

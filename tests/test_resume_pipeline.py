@@ -1,0 +1,60 @@
+"""Run folders and resume under torchrun: the launcher that saved a checkpoint continues it, and
+the pipeline sets a new run up beside its folder like one process does."""
+
+import json
+import subprocess
+
+import pytest
+
+from tests.pipeline_helpers import SMALL, env, nobubble, snapshot, train_command
+
+pytestmark = pytest.mark.slow
+
+
+def launch(*args: str, stages: int = 0, **kwargs) -> subprocess.CompletedProcess:
+    command = train_command(*args, stages=stages, **kwargs)
+    return subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
+
+
+def test_a_checkpoint_is_refused_by_the_other_launcher_with_the_command_that_works(tmp_path):
+    pipeline, one = tmp_path / "pipeline", tmp_path / "one"
+    nobubble(pipeline, "stages=2", "steps=2", stages=2)
+    nobubble(one, "stages=2", "steps=2")
+    before = snapshot(tmp_path)
+
+    refused = launch("--resume", str(pipeline), "steps=3")
+    assert refused.returncode == 2, refused.stderr
+    works = f"torchrun --nproc-per-node 2 -m nobubble train --resume {pipeline}"
+    assert f"Continue it with: {works}" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    refused = launch("--resume", str(one), "steps=3", stages=2)
+    assert refused.returncode != 0
+    assert f"Continue it with: nobubble train --resume {one}\n" in refused.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_pipeline_overwrite_replaces_the_run_only_when_every_stage_is_ready(tmp_path):
+    run, empty = tmp_path / "r", tmp_path / "empty.txt"
+    empty.write_text("")
+    nobubble(run, "steps=2")
+    before = snapshot(tmp_path)
+    failed = nobubble(run, "stages=2", f"data={empty}", "--overwrite", stages=2, check=False)
+    assert failed.returncode != 0 and str(empty) in failed.stderr
+    assert snapshot(tmp_path) == before
+    # a trained BPE: the last stage must read rank 0's tokenizer from the setup folder
+    bpe = ["tokenizer=bpe", "bpe_vocab_size=300"]
+    nobubble(run, "stages=2", "steps=3", *bpe, "--overwrite", stages=2)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    assert json.loads((run / "config.json").read_text())["tokenizer"] == "bpe"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "r"]
+
+
+def test_torchrun_restarts_need_a_fixed_run_folder(tmp_path):
+    command = train_command(*SMALL, "stages=2", stages=2, torchrun_args=("--max-restarts=1",))
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env(), timeout=300, cwd=tmp_path
+    )
+    assert result.returncode != 0
+    assert "torchrun --max-restarts resumes a restarted run from its folder" in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,142 @@
+"""A train command that is refused or fails leaves every file as it was; --overwrite replaces the
+old run only once the new one is ready to start."""
+
+import json
+import os
+
+import pytest
+
+from nobubble.cli import main
+from tests.pipeline_helpers import SMALL, snapshot
+
+
+def train(out, *args: str) -> int:
+    return main(["train", "--no-progress", "--out", str(out), *SMALL, *args])
+
+
+def one_clear_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("nobubble: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture
+def bad_setups(tmp_path) -> list[list[str]]:
+    """Settings that pass the config check but fail while the run is being set up."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "garbage.json").write_text("{not a tokenizer")
+    return [
+        [f"data={tmp_path / 'empty.txt'}"],
+        [f"tokenizer={tmp_path / 'garbage.json'}"],
+    ]
+
+
+def test_overwrite_keeps_the_old_run_when_the_new_one_cannot_start(tmp_path, capsys, bad_setups):
+    run = tmp_path / "r"
+    assert train(run, "steps=2") == 0
+    before = snapshot(tmp_path)
+    for bad in bad_setups:
+        assert train(run, "steps=3", *bad, "--overwrite") == 2
+        one_clear_line(capsys)
+        assert snapshot(tmp_path) == before  # the old run, and nothing next to it
+    assert train(run, "steps=3", "--overwrite") == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "garbage.json", "r"]
+
+
+def test_a_failed_new_run_leaves_an_empty_folder_and_removes_only_what_it_made(
+    tmp_path, capsys, bad_setups
+):
+    (tmp_path / "mine").mkdir()
+    before = snapshot(tmp_path)
+    for bad in bad_setups:
+        assert train(tmp_path / "mine", "steps=2", *bad) == 2
+        assert train(tmp_path / "new" / "deeper" / "run", "steps=2", *bad) == 2
+        assert snapshot(tmp_path) == before
+    assert train(tmp_path / "mine", "steps=2") == 0
+    assert (tmp_path / "mine" / "summary.json").is_file()
+
+
+def test_overwrite_replaces_only_a_run_folder(tmp_path, capsys):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("not a run")
+    before = snapshot(tmp_path)
+    assert train(tmp_path / "notes", "steps=2", "--overwrite") == 2
+    assert "not a nobubble run folder" in one_clear_line(capsys)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_failed_swap_puts_the_old_run_back(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "r"
+    assert train(run, "steps=2") == 0
+    before = snapshot(tmp_path)
+    rename = os.rename
+
+    def new_run_cannot_move_in(src, dst):
+        if os.fspath(dst) == os.fspath(run) and ".new-" in os.fspath(src):
+            raise OSError("disk trouble")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", new_run_cannot_move_in)
+    assert train(run, "steps=3", "--overwrite") == 2
+    assert "disk trouble" in one_clear_line(capsys)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--auto-resume"]])
+def test_an_overwrite_cut_short_between_its_renames_is_reported(tmp_path, capsys, flags):
+    """A crash after the old run was moved aside and before the new one moved in."""
+    assert train(tmp_path / "r", "steps=2") == 0
+    (tmp_path / "r").rename(tmp_path / ".r.old-4242")
+    before = snapshot(tmp_path)
+    assert train(tmp_path / "r", "steps=2", *flags) == 2
+    err = one_clear_line(capsys)
+    assert f"mv {tmp_path / '.r.old-4242'} {tmp_path / 'r'}" in err
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_refuses_another_out(tmp_path, capsys):
+    assert train(tmp_path / "r", "steps=2") == 0
+    before = snapshot(tmp_path)
+    for out in (["--out", str(tmp_path / "x")], [f"out={tmp_path / 'x'}"]):
+        assert main(["train", "--no-progress", "--resume", str(tmp_path / "r"), *out]) == 2
+        assert "--resume continues" in one_clear_line(capsys)
+        assert snapshot(tmp_path) == before
+
+
+def test_auto_resume_needs_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--no-progress", *SMALL, "steps=2", "--auto-resume"]) == 2
+    assert "--auto-resume needs --out" in one_clear_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_under_a_file_is_one_line_and_touches_nothing(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    before = snapshot(tmp_path)
+    for out in (tmp_path / "file" / "run", tmp_path / "file"):
+        assert train(out, "steps=2") == 2
+        assert "not a folder" in one_clear_line(capsys)
+        assert snapshot(tmp_path) == before
+
+
+def test_out_in_a_folder_that_may_not_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.access(locked, os.W_OK):  # root may write anywhere: make the folder look locked
+        access = os.access
+        monkeypatch.setattr(
+            os, "access", lambda p, mode: os.fspath(p) != os.fspath(locked) and access(p, mode)
+        )
+    assert train(locked / "run", "steps=2") == 2
+    assert f"{locked} is not writable" in one_clear_line(capsys)
+    assert list(locked.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--auto-resume"])
+def test_resume_takes_no_other_run_folder_flag(tmp_path, flag):
+    assert train(tmp_path / "r", "steps=2") == 0
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["train", "--no-progress", "--resume", str(tmp_path / "r"), flag])
+    assert snapshot(tmp_path) == before
