@@ -178,3 +178,17 @@ def test_auto_resume_starts_a_run_in_an_empty_folder(tmp_path):
     (tmp_path / "r").mkdir()
     assert train(tmp_path / "r", "steps=2", "--auto-resume") == 0
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize("how", ["--resume", "--auto-resume"])
+def test_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys, how):
+    run = tmp_path / "r"
+    assert train(run, "steps=3") == 0
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    assert (resume(run) if how == "--resume" else train(run, "steps=3", how)) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and f"{run} is finished: it trained all 3 steps" in out
+    assert resume(run, "steps=2") == 2
+    assert "trained 3 steps, more than steps=2" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before

@@ -7,6 +7,7 @@ Every field of :class:`nobubble.config.TrainConfig` is a flag (``--batch-size 32
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -71,7 +72,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     from nobubble.interrupt import Interrupted
     from nobubble.pipeline.launch import launched_by_torchrun, train_pipeline
-    from nobubble.resume import resumed_config
+    from nobubble.resume import RunFinished, resumed_config
     from nobubble.train import train
 
     if args.resume:
@@ -81,6 +82,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     run = train_pipeline if launched_by_torchrun() else train
     try:
         run(cfg, args.overwrite, resume=bool(args.resume), auto_resume=args.auto_resume)
+    except RunFinished as finished:
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per pipeline stage
+            print(f"nobubble: {finished}")
+        return 0
     except Interrupted as stop:
         print(f"nobubble: {stop}", file=sys.stderr)
         return 128 + stop.signum

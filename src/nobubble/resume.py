@@ -36,6 +36,10 @@ SAFE_TO_CHANGE = frozenset(
 )  # fmt: skip
 
 
+class RunFinished(Exception):
+    """The run has trained all its steps already: there is nothing to do (not an error)."""
+
+
 def saved_config(run_dir: Path) -> dict:
     path = run_dir / "config.json"
     if not path.is_file():
@@ -149,6 +153,17 @@ def reopen(cfg: TrainConfig, path: Path, world: int) -> Resumption:
             "replaces the folder), or choose another --out"
         )
     checkpoint, manifest = found
+    step = checkpoint_step(checkpoint)
+    if step == cfg.steps:
+        raise RunFinished(
+            f"{path} is finished: it trained all {step} steps; nothing to do (pass a larger "
+            "steps=N to train on)"
+        )
+    if step > cfg.steps:
+        raise ConfigError(
+            f"{path} has trained {step} steps, more than steps={cfg.steps}; pass steps={step} "
+            "or more"
+        )
     if manifest["shards"] != world:
         raise CheckpointError(
             f"{checkpoint} was saved by {_processes(manifest['shards'])} and this command runs "
@@ -174,7 +189,8 @@ def open_run(
 
     ``resume``: continue the run in ``cfg.out`` (it must have a valid checkpoint). ``auto_resume``:
     the same if that folder holds anything, else start a new run there. ``world``: the processes
-    that will load the checkpoint (1, or the pipeline's stages).
+    that will load the checkpoint (1, or the pipeline's stages). Raises :class:`RunFinished` when
+    the run has trained all ``cfg.steps`` steps.
     """
     if auto_resume and not cfg.out:
         raise ConfigError(

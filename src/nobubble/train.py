@@ -234,8 +234,6 @@ def run_training(
             log.flush()
             if stop in saves:
                 save_checkpoint(run, engine, data, cfg)
-        if not stops:  # resumed at the very end: evaluate once more for the summary
-            log.on_eval(engine.step, engine.evaluate(val, token_bytes))
     finally:
         log.close()
     stages = engine.stage_reports()
