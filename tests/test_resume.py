@@ -192,3 +192,17 @@ def test_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys, how):
     assert resume(run, "steps=2") == 2
     assert "trained 3 steps, more than steps=2" in capsys.readouterr().err
     assert snapshot(tmp_path) == before
+
+
+def test_training_time_adds_up_over_resumes(tmp_path):
+    """train_s, tokens_per_s and wall_s describe the whole run, and train_time_s goes on."""
+    run = tmp_path / "r"
+    assert train(run, "steps=12") == 0
+    first = json.loads((run / "summary.json").read_text())
+    assert resume(run, "steps=13") == 0
+    whole = json.loads((run / "summary.json").read_text())
+    times = [r["train_time_s"] for r in metrics(run) if "train_time_s" in r]
+    assert [r["step"] for r in metrics(run) if "train_time_s" in r] == [0, 12, 13]
+    assert times[0] == 0 and times[1] == first["train_s"] and times[2] == whole["train_s"]
+    assert whole["train_s"] > first["train_s"] and whole["wall_s"] > first["wall_s"]
+    assert whole["tokens_per_s"] == pytest.approx(13 * 8 * 32 / whole["train_s"])

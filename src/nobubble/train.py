@@ -11,6 +11,7 @@ import signal
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -64,15 +65,29 @@ def boundaries(cfg: TrainConfig, start: int) -> tuple[list[int], set[int], set[i
     return stops, evals, saves
 
 
-class StepLogger:
-    """Turns step stats and evaluations into metrics lines, the progress bar and the summary."""
+@dataclass(frozen=True)
+class Elapsed:
+    """Time a run has spent on the steps it has trained so far, over all its sessions: training
+    alone (evaluations and checkpoints excluded) and in all. Saved with every checkpoint."""
 
-    def __init__(self, cfg: TrainConfig, run: RunFolder, start: int, enabled: bool = True) -> None:
+    train_s: float = 0.0
+    wall_s: float = 0.0
+
+
+class StepLogger:
+    """Turns step stats and evaluations into metrics lines, the progress bar and the summary.
+
+    Times and throughput describe the whole run: ``before`` is what earlier sessions spent.
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, run: RunFolder, start: int, before: Elapsed, enabled: bool = True
+    ) -> None:
         self.cfg, self.run, self.enabled = cfg, run, enabled
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
-        self.train_time = 0.0
-        self.segment_start = time.perf_counter()
-        self.done = self.first_step = start
+        self.train_time, self.wall_before = before.train_s, before.wall_s
+        self.started = self.segment_start = time.perf_counter()
+        self.done = start
         self.pending: dict | None = None
         self.bad_in_a_row = 0
         self.last_eval: tuple[float, float] | None = None
@@ -85,10 +100,12 @@ class StepLogger:
     def end_segment(self) -> None:
         self.train_time += time.perf_counter() - self.segment_start
 
+    def elapsed(self) -> Elapsed:
+        return Elapsed(self.train_time, self.wall_before + time.perf_counter() - self.started)
+
     def tokens_per_s(self, extra_time: float = 0.0) -> float:
         seconds = self.train_time + extra_time
-        trained = (self.done - self.first_step) * self.tokens_per_step
-        return trained / seconds if seconds > 0 else 0.0
+        return self.done * self.tokens_per_step / seconds if seconds > 0 else 0.0
 
     def on_step(self, stats: StepStats) -> None:
         self.done = stats.step + 1
@@ -156,7 +173,7 @@ class StepLogger:
 
 
 def save_checkpoint(
-    run: RunFolder, engine: Engine, data: DataBundle | None, cfg: TrainConfig
+    run: RunFolder, engine: Engine, data: DataBundle | None, cfg: TrainConfig, elapsed: Elapsed
 ) -> None:
     """Every rank writes its shard; rank 0 seals the checkpoint once all are written."""
     root = run.checkpoints
@@ -166,6 +183,7 @@ def save_checkpoint(
         "data": data.train.state_dict() if data else None,
         "tokenizer_sha256": tokenizer_digest(run.path),
         "config": cfg.to_dict(),
+        "elapsed": asdict(elapsed),
     }
     write_shard(
         staging_dir(root, engine.step), engine.rank, engine.checkpoint_tensors(), state, meta
@@ -182,16 +200,17 @@ def save_checkpoint(
     engine.barrier()
 
 
-def restore_checkpoint(folder: Path | None, engine: Engine, data: DataBundle | None) -> None:
+def restore_checkpoint(folder: Path | None, engine: Engine, data: DataBundle | None) -> Elapsed:
     """Load this rank's shard of a verified checkpoint (if any) into the engine and the data
-    position."""
+    position; return the time the run had spent up to it."""
     if folder is None:
-        return
+        return Elapsed()
     tensors, state, meta = load_shard(folder, engine.rank)
     engine.restore(tensors, state["engine"])
     torch.set_rng_state(state["torch_rng"])
     if data is not None:
         data.train.load_state_dict(meta["data"])
+    return Elapsed(**meta.get("elapsed", {}))  # checkpoints older than "elapsed" count from 0
 
 
 def run_training(
@@ -199,21 +218,24 @@ def run_training(
     run: RunFolder,
     data: DataBundle | None,
     engine: Engine,
+    before: Elapsed,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> dict | None:
-    """Train ``engine`` to ``cfg.steps``; rank 0 logs and returns the summary (others: None).
+    """Train ``engine`` from its step to ``cfg.steps``; rank 0 logs and returns the summary
+    (others: None).
 
-    ``data`` is None on pipeline stages that need no data (neither first nor last). When
-    ``should_stop`` turns true the engine stops after the step in flight, a checkpoint is saved
-    and :class:`Interrupted` is raised.
+    ``data`` is None on pipeline stages that need no data (neither first nor last). ``before``:
+    the time spent up to the checkpoint the engine was restored from. When ``should_stop`` turns
+    true the engine stops after the step in flight, a checkpoint is saved and
+    :class:`Interrupted` is raised.
     """
-    started, resumed_at = time.perf_counter(), engine.step
+    resumed_at = engine.step
     leader = engine.rank == 0
     token_bytes = data.tokenizer.token_bytes() if data else None
     next_batch = data.train.next_batch if data else None
     val = data.val if data else []
     stops, evals, saves = boundaries(cfg, engine.step)
-    log = StepLogger(cfg, run, engine.step, enabled=leader)
+    log = StepLogger(cfg, run, engine.step, before, enabled=leader)
     try:
         if engine.step == 0:
             log.on_eval(0, engine.evaluate(val, token_bytes))
@@ -223,7 +245,7 @@ def run_training(
             log.end_segment()
             if engine.step < stop:  # a stop was requested: keep what was done, then leave
                 log.flush()
-                save_checkpoint(run, engine, data, cfg)
+                save_checkpoint(run, engine, data, cfg, log.elapsed())
                 raise Interrupted(
                     getattr(should_stop, "signum", None) or signal.SIGTERM,
                     f"stopped at step {engine.step} and saved a checkpoint; continue with: "
@@ -233,19 +255,20 @@ def run_training(
                 log.on_eval(stop, engine.evaluate(val, token_bytes))
             log.flush()
             if stop in saves:
-                save_checkpoint(run, engine, data, cfg)
+                save_checkpoint(run, engine, data, cfg, log.elapsed())
     finally:
         log.close()
     stages = engine.stage_reports()
     if not leader:
         return None
     val_loss, val_bpb = log.last_eval or (float("nan"), float("nan"))
+    elapsed = log.elapsed()
     summary = {
         "final_val_loss": val_loss,
         "final_val_bpb": val_bpb,
         "tokens_per_s": log.tokens_per_s(),
-        "wall_s": time.perf_counter() - started,
-        "train_s": log.train_time,
+        "wall_s": elapsed.wall_s,
+        "train_s": elapsed.train_s,
         "steps": engine.step,
         "peak_mem_mb": peak_memory_mb(engine.device),
     }
@@ -270,14 +293,14 @@ def train(
         data = build_data(cfg, setup.work)
         mc = model_config(cfg, data.tokenizer.vocab_size)
         engine = SimulatedEngine(cfg, mc, device)
-        restore_checkpoint(setup.checkpoint, engine, data)
+        before = restore_checkpoint(setup.checkpoint, engine, data)
         run = setup.commit()
     except BaseException:
         setup.discard()
         raise
     print(f"run folder: {run.path}{resuming(setup.checkpoint)}")
     with stop_on_signals() as stop:
-        run_training(cfg, run, data, engine, stop)
+        run_training(cfg, run, data, engine, before, stop)
     return run.path
 
 

@@ -123,7 +123,7 @@ def train_pipeline(
             setup = _from_rank0(rank, lambda: open_run(cfg, overwrite, resume, auto_resume, world))
             data, vocab, val_batches = build_stage_data(cfg, setup.work, rank, world)
             engine = PipelineEngine(cfg, model_config(cfg, vocab), device, val_batches)
-            restore_checkpoint(setup.checkpoint, engine, data)
+            before = restore_checkpoint(setup.checkpoint, engine, data)
             dist.barrier()  # every stage is ready: only now may the run folder change
             run = _from_rank0(rank, setup.commit)
         except BaseException:
@@ -133,7 +133,7 @@ def train_pipeline(
         if rank == 0:
             print(f"run folder: {run.path}{resuming(setup.checkpoint)}", flush=True)
         with stop_on_signals(announce=rank == 0) as stop:
-            run_training(cfg, run, data, engine, stop)
+            run_training(cfg, run, data, engine, before, stop)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         return run.path
     finally:
