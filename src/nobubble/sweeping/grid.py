@@ -101,10 +101,6 @@ class Phase:
     def points(self) -> list[Point]:
         return [point for grid in self.grids for point in grid_points(grid, self.settings)]
 
-    def values_of(self, key: str) -> list[Any]:
-        """The values the phase's grids try for ``key``."""
-        return [s[key] for grid in self.grids for axis in grid for s in axis.settings if key in s]
-
     def best_refs(self) -> dict[str, BestOf]:
         return {k: v for k, v in self.settings.items() if isinstance(v, BestOf)}
 
