@@ -93,7 +93,7 @@ class NewRun:
     checkpoint: Path | None = None  # a new run starts from scratch
 
     def __init__(self, cfg: TrainConfig, path: Path, overwrite: bool = False) -> None:
-        self.path, self.full = path, Path(os.path.abspath(path))
+        self.cfg, self.path, self.full = cfg, path, Path(os.path.abspath(path))
         check_can_make(path, self.full)
         self.replaces = holds_files(self.full)
         if self.replaces and not overwrite:
@@ -111,10 +111,10 @@ class NewRun:
         self.work = _beside(self.full, "new")
         self.work.mkdir()
         self.committed = False
-        write_json_atomic(self.work / "config.json", cfg.to_dict())
 
     def commit(self) -> RunFolder:
         """Move the set-up run to ``path``; a failure puts everything back as it was."""
+        write_json_atomic(self.work / "config.json", self.cfg.to_dict())
         aside = _beside(self.full, "old")
         try:
             if self.replaces:
