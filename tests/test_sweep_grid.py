@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nobubble import sweep
-from nobubble.config import build_config, load_toml
+from nobubble.config import ConfigError, build_config, load_toml
 from nobubble.sweeping.best import Pending
 from nobubble.sweeping.grid import SweepError, load_sweep
 from nobubble.sweeping.launch import command, write_config_file
@@ -383,3 +383,13 @@ def test_a_run_that_diverged_in_an_earlier_session_is_done(tmp_path, launches, c
     assert call("--config", str(path), "--phase", "main") == 0  # not waiting for lr_sweep
     assert {r.config.lr for r in launches if r.config.optim == "muon"} == {0.001}
     assert (tmp_path / "runs" / "lr_sweep" / diverged.name).is_dir()  # never deleted
+
+
+def test_an_output_root_that_cannot_hold_runs_stops_the_sweep_before_it_starts(tmp_path, launches):
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    grid = str(write(tmp_path, "[grid]\nseed = [0]"))
+    with pytest.raises(ConfigError, match=re.escape(f"{taken} is not a folder")):
+        call("--config", grid, "--out", str(taken / "sweep"))
+    assert launches == []
+    assert call("--config", grid, "--out", str(taken / "sweep"), "--dry-run") == 0  # writes nothing

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nobubble.destinations import make_output_folder
 from nobubble.sweeping.best import Pending
 from nobubble.sweeping.grid import Phase, Sweep, SweepError, load_sweep
 from nobubble.sweeping.launch import run_all
@@ -104,6 +105,8 @@ class SweepRun:
 
     def execute(self) -> int:
         check_sweep(self.sweep)
+        if not self.args.dry_run:
+            make_output_folder(self.sweep.out, "output root")
         needed = needed_phases(self.sweep, self.selected)
         print(f"sweep {self.sweep.name}: runs in {self.sweep.out}, logs in its _sweep folder")
         for phase in needed:
