@@ -150,7 +150,8 @@ def test_a_world_size_that_does_not_match_the_stages_fails_before_any_work(tmp_p
 
 def _peer_that_never_sends(rank: int, port: int, timeout_s: float, leave: bool, results) -> None:
     """Rank 0 waits for a gradient; rank 1 never sends it: it exits (``leave``), or it stays
-    alive until rank 0 has given up (a barrier, not a sleep: a busy machine may stall rank 0)."""
+    alive until rank 0 has given up (told through the store, not a sleep: a busy machine may
+    stall rank 0 for seconds; and gloo closes the pair after the timeout, so no barrier)."""
     import datetime
 
     import torch
@@ -158,13 +159,9 @@ def _peer_that_never_sends(rank: int, port: int, timeout_s: float, leave: bool, 
 
     from nobubble.pipeline.comm import Channel, Messenger, PeerFailure
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    limit = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=limit)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=limit)
     if rank == 0:
         messenger = Messenger(rank, timeout_s=timeout_s)
         try:
@@ -179,8 +176,12 @@ def _peer_that_never_sends(rank: int, port: int, timeout_s: float, leave: bool, 
             )
         except PeerFailure as exc:
             results.put(str(exc))
-    if not leave:
-        dist.barrier()
+        if not leave:
+            store.set("given up", "1")
+            store.wait(["seen"])  # rank 0 hosts the store: it stays until rank 1 has read it
+    elif not leave:
+        store.wait(["given up"])
+        store.set("seen", "1")
     dist.destroy_process_group()  # rank 1 with ``leave``: at once, closing its connections
 
 
