@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from nobubble import report
 from nobubble.cli import main
-from nobubble.config import TrainConfig
+from nobubble.config import ConfigError, TrainConfig
 from nobubble.reporting.groups import compare, group_runs
 from nobubble.reporting.runs import EvalPoint, ReportError, discover
 from nobubble.reporting.target import target_rows, time_to_reach
@@ -255,3 +256,10 @@ def test_diverged_seeds_count_as_an_infinite_loss(tmp_path):
     assert "| adamw | 2bw |" not in reverse  # nor does a diverged group's final loss
     for png in ("val_loss_vs_step.png", "val_loss_vs_time.png", "final_loss_vs_schedule.png"):
         assert (out / png).read_bytes()[:8] == PNG
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(runs_dir, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    with pytest.raises(ConfigError, match=re.escape(f"--out {taken}: {taken} is not a folder")):
+        call(str(runs_dir), "--out", str(taken))

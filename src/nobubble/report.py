@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nobubble.config import FIELDS, unknown_key_error
+from nobubble.destinations import make_output_folder
 from nobubble.reporting.groups import CLEAR_GAP_SE, Comparison, Group, compare, group_runs
 from nobubble.reporting.runs import ReportError, discover, matches, parse_filter
 from nobubble.reporting.table import (
@@ -157,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
             target = f"{target_table(found, groups)}\n\n{REVERSE_HEADING}\n\n{reverse}"
         else:
             target = NO_BASELINE
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_output_folder(args.out, "--out")
     figures = draw_plots(groups, args.vs, out)
     text = render(args.title, args.runs, rows, target, figures, warnings)
     (out / "report.md").write_text(text)
