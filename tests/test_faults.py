@@ -139,6 +139,7 @@ def test_non_finite_gradients_abort_after_the_patience(tmp_path, stages):
     assert len(skipped) >= 2  # the steps that went bad were skipped and logged
     last = re.search(r"last at step (\d+)", result.stderr).group(1)
     assert lines[-1]["step"] == int(last)  # the step that stopped the run too
+    assert "gave up" not in result.stderr and "p2p_timeout_s" not in result.stderr  # no timeout
 
 
 def test_a_world_size_that_does_not_match_the_stages_fails_before_any_work(tmp_path):
