@@ -58,3 +58,12 @@ def test_torchrun_restarts_need_a_fixed_run_folder(tmp_path):
     assert result.returncode != 0
     assert "torchrun --max-restarts resumes a restarted run from its folder" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_torchrun_restarts_without_periodic_checkpoints_are_warned_about(tmp_path):
+    """A restart can only resume from a checkpoint; with checkpoint_every=0 there is none."""
+    args = ("--out", str(tmp_path / "r"), *SMALL, "stages=2", "steps=2", "eval_every=0")
+    command = train_command(*args, stages=2, torchrun_args=("--max-restarts=1",))
+    result = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("with checkpoint_every=0: a restart resumes") == 1  # rank 0 only

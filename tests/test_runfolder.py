@@ -133,6 +133,23 @@ def test_out_in_a_folder_that_may_not_be_written_is_one_line(tmp_path, capsys, m
     assert list(locked.iterdir()) == []
 
 
+def test_resuming_a_run_folder_that_may_not_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "r"
+    assert train(run, "steps=2") == 0
+    before = snapshot(tmp_path)
+    run.chmod(0o555)
+    if os.access(run, os.W_OK):  # root may write anywhere: make the folder look locked
+        access = os.access
+        monkeypatch.setattr(
+            os, "access", lambda p, mode: os.fspath(p) != os.fspath(run) and access(p, mode)
+        )
+    capsys.readouterr()
+    assert main(["train", "--no-progress", "--resume", str(run), "steps=4"]) == 2
+    assert f"cannot continue {run}: it is not writable" in one_clear_line(capsys)
+    run.chmod(0o755)
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("flag", ["--overwrite", "--auto-resume"])
 def test_resume_takes_no_other_run_folder_flag(tmp_path, flag):
     assert train(tmp_path / "r", "steps=2") == 0

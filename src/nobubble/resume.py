@@ -12,6 +12,7 @@ here ever deletes a run it was asked to continue.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import warnings
 from dataclasses import dataclass
@@ -143,6 +144,11 @@ class Resumption:
 def reopen(cfg: TrainConfig, path: Path, world: int) -> Resumption:
     """Check that ``path`` holds this run and a checkpoint that ``world`` processes can load."""
     check_compatible(build_config(saved_config(path)), cfg, path)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"cannot continue {path}: it is not writable (the run writes metrics and "
+            "checkpoints into it); make it writable or copy it and resume the copy"
+        )
     found = latest_valid_checkpoint(path / "checkpoints")
     if found is None:
         tried = len(list((path / "checkpoints").glob("step_*")))

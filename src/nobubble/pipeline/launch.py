@@ -9,6 +9,7 @@ up.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle, build_data
 from nobubble.interrupt import stop_on_signals
-from nobubble.model import PRESETS, model_config
+from nobubble.model import model_config
 from nobubble.pipeline.process_group import (
     close_process_group,
     device_and_backend,
@@ -41,15 +42,10 @@ def launched_by_torchrun() -> bool:
     )
 
 
-def check_world(cfg: TrainConfig, world: int) -> None:
-    """Errors that must stop every rank before any work starts."""
-    tied = PRESETS[cfg.preset].tie_embeddings if cfg.tie_embeddings is None else cfg.tie_embeddings
-    if tied and world > 1:
-        raise ConfigError(
-            f"preset {cfg.preset!r} ties the head to the embedding, which must then live on one "
-            "stage; set tie_embeddings=false to pipeline it over several stages"
-        )
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and not cfg.out:
+def check_world(cfg: TrainConfig, world: int, rank: int) -> None:
+    """Errors that must stop every rank before any work starts (the config itself is valid)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts and not cfg.out:
         raise ConfigError(
             "torchrun --max-restarts resumes a restarted run from its folder, so it needs --out"
         )
@@ -57,6 +53,14 @@ def check_world(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(
             f"torchrun started {world} processes but the config asks for stages={cfg.stages}; "
             f"run `torchrun --nproc-per-node {cfg.stages} ...` or pass --stages {world}"
+        )
+    if restarts and not cfg.checkpoint_every and rank == 0:
+        print(
+            "nobubble: warning: torchrun --max-restarts with checkpoint_every=0: a restart "
+            "resumes from the newest checkpoint, and this run saves one only at the end, so a "
+            "worker that fails before then ends the job; set checkpoint_every=N",
+            file=sys.stderr,
+            flush=True,
         )
 
 
@@ -112,7 +116,7 @@ def train_pipeline(
     from nobubble.pipeline.runtime import PipelineEngine
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    check_world(cfg, world)
+    check_world(cfg, world, rank)
     configure_torch(cfg)
     device, backend = device_and_backend(cfg)
     open_process_group(backend, device, rank, world, cfg.p2p_timeout_s)
