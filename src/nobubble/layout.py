@@ -1,0 +1,142 @@
+"""The parallel layout of a run: which rank holds which pipeline stage of which replica.
+
+Two named dimensions: ``pp``, the pipeline degree P (the stages of one model replica), and
+``dp``, the data-parallel degree (replicas of the whole pipeline; 1 until data parallelism is
+implemented). Ranks are numbered with ``dp`` innermost::
+
+    rank = stage * dp + replica
+
+which is the row-major order of ``init_device_mesh(device, (pp, dp), mesh_dim_names=("pp",
+"dp"))``, as in torchtitan and Megatron-LM (pipeline outermost). Why: the replicas of one stage
+all-reduce that stage's whole gradient every step, while neighbouring stages exchange one
+microbatch's activations or gradients at a time, far fewer bytes for a model of any size. With
+``dp`` innermost the replicas of a stage are neighbouring ranks, on one node whenever a node runs
+a multiple of ``dp`` processes, so the heavier traffic gets the faster links (NVLink) and only the
+pipeline's messages cross nodes. With ``dp = 1``, rank == stage.
+
+Everything that needs "my stage", a neighbour, the logging rank or a checkpoint shard asks the
+layout; its maps are pure (no process group needed). In the single-process simulator a layout is
+a description only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nobubble.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIMS = ("pp", "dp")  # outermost first
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Rank ``rank`` of ``pp * dp`` processes: ``dp`` replicas of a ``pp``-stage pipeline."""
+
+    pp: int
+    dp: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.pp < 1 or self.dp < 1:
+            raise ValueError(f"parallel degrees must be >= 1 (got pp={self.pp}, dp={self.dp})")
+        self._check_rank(self.rank)
+
+    @classmethod
+    def from_world(cls, pp: int, dp: int, rank: int, world: int) -> ParallelLayout:
+        """The layout of ``rank`` in a launch of ``world`` processes; a :class:`ConfigError`
+        (saying how to launch instead) if ``world`` is not ``pp * dp``."""
+        needed = pp * dp
+        if world != needed:
+            asked = f"stages={pp}" if dp == 1 else f"stages={pp} x dp={dp} = {needed} processes"
+            fix = f" or pass --stages {world // dp}" if world % dp == 0 else ""
+            raise ConfigError(
+                f"torchrun started {world} processes but the config asks for {asked}; run "
+                f"`torchrun --nproc-per-node {needed} ...`{fix}"
+            )
+        return cls(pp, dp, rank)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    def coordinates(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of ``rank``: its place in the mesh, the inverse of :meth:`rank_of`."""
+        self._check_rank(rank)
+        return divmod(rank, self.dp)
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """The rank holding ``stage`` of ``replica`` (default: this rank's replica)."""
+        replica = self.replica if replica is None else replica
+        if not (0 <= stage < self.pp and 0 <= replica < self.dp):
+            raise ValueError(
+                f"no stage {stage} of replica {replica} in a layout of pp={self.pp}, dp={self.dp}"
+            )
+        return stage * self.dp + replica
+
+    @property
+    def replica(self) -> int:
+        return self.coordinates(self.rank)[1]
+
+    @property
+    def stage(self) -> int:
+        return self.coordinates(self.rank)[0]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def leader(self) -> int:
+        """The rank that opens the run folder, builds the data first and logs: the first stage of
+        replica 0 (the pipeline's controller, which is the first to touch any step)."""
+        return self.rank_of(0, 0)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    @property
+    def shard(self) -> int:
+        """This rank's checkpoint shard: its stage (one shard per stage)."""
+        return self.stage
+
+    @property
+    def shards(self) -> int:
+        return self.pp
+
+    def name(self, stage: int | None = None) -> str:
+        """``stage`` of this rank's replica (default: this rank's stage), for messages."""
+        stage = self.stage if stage is None else stage
+        return f"stage {stage}" if self.dp == 1 else f"stage {stage} of replica {self.replica}"
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is not in a layout of {self.world} processes")
+
+
+def device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
+    """The torch device mesh of ``layout`` (dimensions ``MESH_DIMS``), under an initialized
+    process group; ``mesh.get_group("dp")`` holds the replicas of this rank's stage and
+    ``mesh.get_group("pp")`` the stages of its replica, in stage order.
+
+    A mesh holds references to the default process group (with ``dp = 1`` its "pp" group *is*
+    the default group): drop it before :func:`nobubble.pipeline.process_group.close_process_group`,
+    or that teardown cannot free the backend.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=MESH_DIMS)
+    if tuple(mesh.get_coordinate() or ()) != layout.coordinates(layout.rank):
+        raise RuntimeError(
+            f"the device mesh puts rank {layout.rank} at (pp, dp) = {mesh.get_coordinate()}, the "
+            f"layout at ({layout.stage}, {layout.replica}); this is a bug in nobubble"
+        )
+    return mesh

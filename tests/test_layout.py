@@ -1,0 +1,124 @@
+"""The parallel layout's maps between ranks and (stage, replica), and its device mesh."""
+
+import itertools
+
+import pytest
+import torch
+
+from nobubble.config import ConfigError
+from nobubble.layout import ParallelLayout
+
+SHAPES = [(1, 1), (4, 1), (1, 3), (2, 2), (3, 2), (2, 4)]  # (pp, dp)
+
+
+def layouts(pp: int, dp: int) -> list[ParallelLayout]:
+    return [ParallelLayout(pp, dp, rank) for rank in range(pp * dp)]
+
+
+@pytest.mark.parametrize(("pp", "dp"), SHAPES)
+def test_every_rank_has_its_own_place_and_back(pp, dp):
+    places = [(lay.stage, lay.replica) for lay in layouts(pp, dp)]
+    assert sorted(places) == list(itertools.product(range(pp), range(dp)))
+    for lay in layouts(pp, dp):
+        assert lay.coordinates(lay.rank) == (lay.stage, lay.replica)
+        assert lay.rank_of(lay.stage, lay.replica) == lay.rank
+        assert lay.rank_of(lay.stage) == lay.rank  # the replica defaults to its own
+
+
+@pytest.mark.parametrize(("pp", "dp"), SHAPES)
+def test_ranks_follow_the_device_mesh_order_with_dp_innermost(pp, dp):
+    """init_device_mesh lays ranks out row-major over (pp, dp): the layout must agree."""
+    grid = torch.arange(pp * dp).reshape(pp, dp)
+    lay = ParallelLayout(pp, dp)
+    assert [[lay.rank_of(s, r) for r in range(dp)] for s in range(pp)] == grid.tolist()
+
+
+@pytest.mark.parametrize(("pp", "dp"), SHAPES)
+def test_neighbours_are_the_next_stages_of_the_same_replica(pp, dp):
+    for lay in layouts(pp, dp):
+        assert lay.is_first_stage == (lay.stage == 0)
+        assert lay.is_last_stage == (lay.stage == pp - 1)
+        if not lay.is_last_stage:
+            after = ParallelLayout(pp, dp, lay.rank_of(lay.stage + 1))
+            assert (after.stage, after.replica) == (lay.stage + 1, lay.replica)
+
+
+@pytest.mark.parametrize(("pp", "dp"), SHAPES)
+def test_one_leader_and_one_shard_per_stage(pp, dp):
+    everyone = layouts(pp, dp)
+    assert [lay.rank for lay in everyone if lay.is_leader] == [0]
+    assert {lay.leader for lay in everyone} == {0}
+    leader = everyone[0]
+    assert leader.is_first_stage and leader.replica == 0
+    assert {lay.shard for lay in everyone} == set(range(pp))
+    assert all(lay.shard == lay.stage and lay.shards == pp for lay in everyone)
+
+
+def test_with_one_replica_rank_is_stage():
+    assert [lay.stage for lay in layouts(4, 1)] == [0, 1, 2, 3]
+    assert ParallelLayout(4, 1, 2).name(3) == "stage 3"
+    assert ParallelLayout(2, 2, 3).name() == "stage 1 of replica 1"
+
+
+def test_a_launch_of_the_wrong_size_is_refused_with_the_command_to_run():
+    assert ParallelLayout.from_world(2, 2, 3, 4) == ParallelLayout(2, 2, 3)
+    with pytest.raises(
+        ConfigError,
+        match=r"started 3 processes .* stages=2; run `torchrun "
+        r"--nproc-per-node 2 \.\.\.` or pass --stages 3",
+    ):
+        ParallelLayout.from_world(2, 1, 0, 3)
+    with pytest.raises(
+        ConfigError,
+        match=r"stages=2 x dp=2 = 4 processes; run `torchrun "
+        r"--nproc-per-node 4 \.\.\.`$",
+    ):
+        ParallelLayout.from_world(2, 2, 0, 3)
+
+
+def test_places_outside_the_layout_are_errors():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ParallelLayout(0)
+    with pytest.raises(ValueError, match="rank 4 is not in a layout of 4"):
+        ParallelLayout(2, 2, 4)
+    lay = ParallelLayout(2, 2)
+    with pytest.raises(ValueError, match="rank -1"):
+        lay.coordinates(-1)
+    with pytest.raises(ValueError, match="no stage 2 of replica 0"):
+        lay.rank_of(2)
+    with pytest.raises(ValueError, match="no stage 0 of replica 2"):
+        lay.rank_of(0, 2)
+
+
+def _mesh_groups(rank: int, port: int, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from nobubble.layout import device_mesh
+
+    limit = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, 4, is_master=rank == 0, timeout=limit)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=limit)
+    mesh = device_mesh(ParallelLayout(2, 2, rank), "cpu")
+    groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in ("pp", "dp")}
+    results.put((rank, groups))
+    del mesh
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_device_mesh_groups_are_the_layouts_replicas_and_pipelines():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_mesh_groups, args=(port, results), nprocs=4, start_method="spawn")
+    for rank, groups in sorted(results.get() for _ in range(4)):
+        lay = ParallelLayout(2, 2, rank)
+        assert groups["pp"] == [lay.rank_of(stage) for stage in range(2)]
+        assert groups["dp"] == [lay.rank_of(lay.stage, replica) for replica in range(2)]
