@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from nobubble.evaluation import EvalSums
+from nobubble.layout import ParallelLayout
 from nobubble.optim import clip_grad_norm
 
 
@@ -34,8 +35,7 @@ class Engine(Protocol):
     """A backend that trains: the single-process simulator or one rank of the pipeline."""
 
     step: int
-    rank: int  # this process's stage (0 in the simulator)
-    world: int  # processes, = checkpoint shards
+    layout: ParallelLayout  # this process's place: its checkpoint shard, whether it leads
     device: torch.device
 
     def barrier(self) -> None:
@@ -47,13 +47,13 @@ class Engine(Protocol):
         next_batch: Callable[[], torch.Tensor],
         on_step: Callable[[StepStats], None],
     ) -> None:
-        """Train from ``self.step`` up to ``stop``; ``on_step`` sees every step's stats (rank 0)."""
+        """Train from ``self.step`` up to ``stop``; ``on_step`` sees every step's stats (leader)."""
 
     def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor) -> EvalSums:
-        """Validation totals at the newest weights (meaningful on rank 0)."""
+        """Validation totals at the newest weights (meaningful on the leader)."""
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Every weight version this rank holds, by name (saved as safetensors)."""
+        """Every weight version this process holds, by name (its shard, as safetensors)."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything else needed to continue exactly (optimizer, EF buffer, step)."""
@@ -61,7 +61,7 @@ class Engine(Protocol):
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None: ...
 
     def stage_reports(self) -> list[dict[str, float]] | None:
-        """Per-stage idle time and memory of a pipeline, on rank 0 (collective); else None."""
+        """Per-stage idle time and memory of a pipeline, on the leader (collective); else None."""
 
 
 def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, bool]:

@@ -20,6 +20,7 @@ from nobubble.config import ConfigError, TrainConfig
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats, clip_stage, combined_norm
 from nobubble.evaluation import EvalSums
+from nobubble.layout import ParallelLayout
 from nobubble.model import ModelConfig, StageSpec, build_model, lm_loss, partition
 from nobubble.optim import build_optimizer, lr_at, set_lr
 from nobubble.versions import VersionStore, Weights
@@ -126,7 +127,7 @@ class DelayedTrainer:
 class SimulatedEngine:
     """Trains the whole model in one process under the delays of ``cfg.schedule``."""
 
-    rank, world = 0, 1  # one process, one checkpoint shard
+    layout = ParallelLayout(pp=1)  # a description only: one process, one checkpoint shard
 
     def __init__(self, cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> None:
         delays = stage_delays(cfg.schedule, cfg.stages)

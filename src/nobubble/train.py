@@ -175,8 +175,8 @@ class StepLogger:
 def save_checkpoint(
     run: RunFolder, engine: Engine, data: DataBundle | None, cfg: TrainConfig, elapsed: Elapsed
 ) -> None:
-    """Every rank writes its shard; rank 0 seals the checkpoint once all are written."""
-    root = run.checkpoints
+    """Every rank writes its shard; the leader seals the checkpoint once all are written."""
+    root, layout = run.checkpoints, engine.layout
     state = {"engine": engine.checkpoint_state(), "torch_rng": torch.get_rng_state()}
     meta = {
         "step": engine.step,
@@ -186,26 +186,26 @@ def save_checkpoint(
         "elapsed": asdict(elapsed),
     }
     write_shard(
-        staging_dir(root, engine.step), engine.rank, engine.checkpoint_tensors(), state, meta
+        staging_dir(root, engine.step), layout.shard, engine.checkpoint_tensors(), state, meta
     )
     engine.barrier()
-    if engine.rank == 0:
+    if layout.is_leader:
         publish(
             staging_dir(root, engine.step),
             root / checkpoint_name(engine.step),
             engine.step,
-            engine.world,
+            layout.shards,
         )
         prune(root, cfg.keep_checkpoints)
     engine.barrier()
 
 
 def restore_checkpoint(folder: Path | None, engine: Engine, data: DataBundle | None) -> Elapsed:
-    """Load this rank's shard of a verified checkpoint (if any) into the engine and the data
+    """Load this process's shard of a verified checkpoint (if any) into the engine and the data
     position; return the time the run had spent up to it."""
     if folder is None:
         return Elapsed()
-    tensors, state, meta = load_shard(folder, engine.rank)
+    tensors, state, meta = load_shard(folder, engine.layout.shard)
     engine.restore(tensors, state["engine"])
     torch.set_rng_state(state["torch_rng"])
     if data is not None:
@@ -221,7 +221,7 @@ def run_training(
     before: Elapsed,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> dict | None:
-    """Train ``engine`` from its step to ``cfg.steps``; rank 0 logs and returns the summary
+    """Train ``engine`` from its step to ``cfg.steps``; the leader logs and returns the summary
     (others: None).
 
     ``data`` is None on pipeline stages that need no data (neither first nor last). ``before``:
@@ -230,7 +230,7 @@ def run_training(
     :class:`Interrupted` is raised.
     """
     resumed_at = engine.step
-    leader = engine.rank == 0
+    leader = engine.layout.is_leader
     token_bytes = data.tokenizer.token_bytes() if data else None
     next_batch = data.train.next_batch if data else None
     val = data.val if data else []
@@ -249,7 +249,7 @@ def run_training(
                 raise Interrupted(
                     getattr(should_stop, "signum", None) or signal.SIGTERM,
                     f"stopped at step {engine.step} and saved a checkpoint; continue with: "
-                    f"{resume_command(run.path, engine.world)}",
+                    f"{resume_command(run.path, engine.layout.world)}",
                 )
             if stop in evals:
                 log.on_eval(stop, engine.evaluate(val, token_bytes))

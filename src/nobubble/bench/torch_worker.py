@@ -20,7 +20,6 @@ peers), measured on gloo only: on NCCL that call returns before the transfer is 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,9 +32,10 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from nobubble.config import TrainConfig, build_config, parse_overrides
 from nobubble.engine import clip_stage, peak_memory_mb
+from nobubble.layout import ParallelLayout
 from nobubble.model import Stage, lm_loss, model_config, partition
 from nobubble.optim import build_optimizer, lr_at, set_lr
-from nobubble.pipeline.launch import build_stage_data
+from nobubble.pipeline.launch import build_stage_data, launch_layout
 from nobubble.pipeline.process_group import (
     close_process_group,
     device_and_backend,
@@ -71,26 +71,32 @@ class P2PWaitClock:
         torch_schedules._wait_batch_p2p = self._original
 
 
-def _gather(value: Any) -> list[Any] | None:
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(value, gathered, dst=0)
+def _gather(layout: ParallelLayout, value: Any) -> list[Any] | None:
+    gathered = [None] * layout.world if layout.is_leader else None
+    dist.gather_object(value, gathered, dst=layout.leader)
     return gathered
 
 
 class TorchStageRunner:
     """This rank's stage, optimizer and torch schedule; ``train`` returns its measurements."""
 
-    def __init__(self, cfg: TrainConfig, schedule: str, run_dir: Path, device: torch.device):
-        self.cfg, self.device = cfg, device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.first, self.last = self.rank == 0, self.rank == self.world - 1
-        data, vocab, _ = build_stage_data(cfg, run_dir, self.rank, self.world)
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        schedule: str,
+        run_dir: Path,
+        device: torch.device,
+        layout: ParallelLayout,
+    ):
+        self.cfg, self.device, self.stage = cfg, device, layout.stage
+        self.first, self.last = layout.is_first_stage, layout.is_last_stage
+        data, vocab, _ = build_stage_data(cfg, run_dir, layout)
         self.batches = data.train if data else None
         mc = model_config(cfg, vocab)
         specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
-        self.module = Stage(mc, specs[self.rank], cfg.seed).to(device)
+        self.module = Stage(mc, specs[layout.stage], cfg.seed).to(device)
         self.optimizer = build_optimizer(list(self.module.named_parameters()), cfg)
-        stage = PipelineStage(self.module, self.rank, self.world, device)
+        stage = PipelineStage(self.module, layout.stage, layout.pp, device)  # dp = 1: rank = stage
         self.schedule = TORCH_SCHEDULES[schedule](
             stage, cfg.microbatches, loss_fn=lm_loss, scale_grads=True
         )
@@ -128,7 +134,7 @@ class TorchStageRunner:
             "losses": losses,
             "step_ends": step_ends,
             "stage": {
-                "stage": self.rank,
+                "stage": self.stage,
                 "blocks": len(self.module.blocks),
                 "train_wall_s": wall,
                 "idle_s": idle,
@@ -171,13 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = build_config(parse_overrides(args.overrides), {"out": args.out})
     configure_torch(cfg)
     device, backend = device_and_backend(cfg)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    open_process_group(backend, device, rank, world, cfg.p2p_timeout_s)
+    layout = launch_layout(cfg)
+    open_process_group(backend, device, layout.rank, layout.world, cfg.p2p_timeout_s)
     try:
         run_dir = Path(args.out)
-        run = RunFolder.create(cfg, overwrite=True) if dist.get_rank() == 0 else None
+        run = RunFolder.create(cfg, overwrite=True) if layout.is_leader else None
         dist.barrier()  # the run folder exists before any stage writes into it
-        reports = _gather(TorchStageRunner(cfg, args.schedule, run_dir, device).train())
+        reports = _gather(
+            layout, TorchStageRunner(cfg, args.schedule, run_dir, device, layout).train()
+        )
         if run is not None:
             write_run(cfg, run, reports)
     finally:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nobubble.layout import ParallelLayout
+
 
 class Channel(enum.IntEnum):
     ACTIVATION = 0
@@ -39,7 +41,7 @@ class PeerFailure(RuntimeError):
 class PendingRecv:
     buffer: torch.Tensor
     work: dist.Work
-    peer: int
+    peer: int  # the sending stage
     what: str
 
 
@@ -47,7 +49,9 @@ SEND_WINDOW = 16  # sends kept in flight before the oldest is waited for
 
 
 class Messenger:
-    """Asynchronous sends and receives of one rank, with a timeout on every wait.
+    """Asynchronous sends and receives of one stage, with a timeout on every wait.
+
+    Peers are named by their stage in this rank's pipeline replica; the layout maps them to ranks.
 
     A send's tensor must stay alive until the send completes, and gloo reports completion only
     through ``wait()``; so at most ``SEND_WINDOW`` sends stay outstanding and beyond that the
@@ -55,15 +59,16 @@ class Messenger:
     this deep is far older than any message a peer could still be waiting for first).
     """
 
-    def __init__(self, rank: int, timeout_s: float) -> None:
-        self.rank = rank
+    def __init__(self, layout: ParallelLayout, timeout_s: float) -> None:
+        self.layout = layout
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.waited_s = 0.0  # time blocked on peers: the stage's idle time
 
     def send(self, tensor: torch.Tensor, peer: int, channel: Channel, sequence: int) -> None:
         tensor = tensor.detach().contiguous()
-        self.sends.append((dist.isend(tensor, peer, tag=tag(channel, sequence)), tensor))
+        rank = self.layout.rank_of(peer)
+        self.sends.append((dist.isend(tensor, rank, tag=tag(channel, sequence)), tensor))
         if len(self.sends) > SEND_WINDOW:
             self._wait_sends(self.sends[:-SEND_WINDOW])
             del self.sends[:-SEND_WINDOW]
@@ -79,7 +84,7 @@ class Messenger:
         what: str,
     ) -> PendingRecv:
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buffer, peer, tag=tag(channel, sequence))
+        work = dist.irecv(buffer, self.layout.rank_of(peer), tag=tag(channel, sequence))
         return PendingRecv(buffer, work, peer, what)
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
@@ -90,7 +95,7 @@ class Messenger:
                 torch.cuda.current_stream().synchronize()
         except RuntimeError as exc:
             raise self._failure(
-                f"waiting for {pending.what} from stage {pending.peer}",
+                f"waiting for {pending.what} from {self.layout.name(pending.peer)}",
                 pending.peer,
                 time.perf_counter() - started,
                 exc,
@@ -102,14 +107,15 @@ class Messenger:
     def _failure(self, doing: str, peer: int | None, waited: float, exc: Exception) -> PeerFailure:
         """The error for a wait that failed: a timeout, or a peer that went away before it."""
         limit = self.timeout.total_seconds()
-        who = f"stage {peer}" if peer is not None else "the receiving stage"
+        who = self.layout.name(peer) if peer is not None else "the receiving stage"
+        me = self.layout.name()
         if waited < 0.9 * limit:  # the transport gave up early: the connection is gone
             return PeerFailure(
-                f"stage {self.rank} stopped {doing}: {who} exited or crashed (its own error, "
+                f"{me} stopped {doing}: {who} exited or crashed (its own error, "
                 f"in its log or above, says why). Transport said: {exc}"
             )
         return PeerFailure(
-            f"stage {self.rank} gave up {doing} (limit {limit:.0f}s): {who} is stuck or died, "
+            f"{me} gave up {doing} (limit {limit:.0f}s): {who} is stuck or died, "
             f"see its log; raise p2p_timeout_s if it is only slow. Transport said: {exc}"
         )
 
@@ -117,7 +123,7 @@ class Messenger:
         return self.wait(self.post_recv(*args, **kwargs))
 
     def drain(self) -> None:
-        """Wait for every send of this rank to be received."""
+        """Wait for every send of this stage to be received."""
         self._wait_sends(self.sends)
         self.sends.clear()
 

@@ -1,9 +1,9 @@
 """Start a pipeline run under torchrun: one process per stage, the same training loop on each.
 
-Rank 0 (the first stage) opens the run (a new one is set up in a folder beside its run folder)
-and builds the data; the last stage then builds the same data (reusing the tokenizer rank 0 saved
-there); stages in between load no data at all. The run folder changes only once every stage is set
-up.
+The layout (:mod:`nobubble.layout`) says which stage each process runs. Its leader (rank 0, the
+first stage) opens the run (a new one is set up in a folder beside its run folder) and builds the
+data; the last stage then builds the same data (reusing the tokenizer the leader saved there);
+stages in between load no data at all. The run folder changes only once every stage is set up.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle, build_data
 from nobubble.interrupt import stop_on_signals
+from nobubble.layout import ParallelLayout
 from nobubble.model import model_config
 from nobubble.pipeline.process_group import (
     close_process_group,
@@ -42,19 +43,20 @@ def launched_by_torchrun() -> bool:
     )
 
 
-def check_world(cfg: TrainConfig, world: int, rank: int) -> None:
+def launch_layout(cfg: TrainConfig) -> ParallelLayout:
+    """This process's layout, from torchrun's environment (one pipeline replica for now)."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    return ParallelLayout.from_world(cfg.stages, 1, rank, world)
+
+
+def check_launch(cfg: TrainConfig, layout: ParallelLayout) -> None:
     """Errors that must stop every rank before any work starts (the config itself is valid)."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts and not cfg.out:
         raise ConfigError(
             "torchrun --max-restarts resumes a restarted run from its folder, so it needs --out"
         )
-    if world != cfg.stages:
-        raise ConfigError(
-            f"torchrun started {world} processes but the config asks for stages={cfg.stages}; "
-            f"run `torchrun --nproc-per-node {cfg.stages} ...` or pass --stages {world}"
-        )
-    if restarts and not cfg.checkpoint_every and rank == 0:
+    if restarts and not cfg.checkpoint_every and layout.is_leader:
         print(
             "nobubble: warning: torchrun --max-restarts with checkpoint_every=0: a restart "
             "resumes from the newest checkpoint, and this run saves one only at the end, so a "
@@ -64,39 +66,41 @@ def check_world(cfg: TrainConfig, world: int, rank: int) -> None:
         )
 
 
-def _broadcast(value: object) -> object:
+def _broadcast(layout: ParallelLayout, value: object) -> object:
+    """The leader's ``value``, on every rank."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=layout.leader)
     return box[0]
 
 
-def _from_rank0(rank: int, make: Callable[[], T]) -> T:
-    """``make()`` on rank 0, shared with every rank; whatever it raises is raised on every rank
-    (so that no stage waits for a result that will never come)."""
+def _from_leader(layout: ParallelLayout, make: Callable[[], T]) -> T:
+    """``make()`` on the leader, shared with every rank; whatever it raises is raised on every
+    rank (so that no stage waits for a result that will never come)."""
     outcome: object = None
-    if rank == 0:
+    if layout.is_leader:
         try:
             outcome = make()
         except Exception as exc:  # raised again below, on every rank
             outcome = exc
-    outcome = _broadcast(outcome)
+    outcome = _broadcast(layout, outcome)
     if isinstance(outcome, Exception):
         raise outcome
     return outcome  # type: ignore[return-value]
 
 
 def build_stage_data(
-    cfg: TrainConfig, run_dir: Path, rank: int, world: int
+    cfg: TrainConfig, run_dir: Path, layout: ParallelLayout
 ) -> tuple[DataBundle | None, int, int]:
     """This stage's data (first and last stage only), the vocabulary size and the number of
     validation batches (both known on every rank).
 
-    Rank 0 builds first, training or loading the tokenizer and saving it into ``run_dir``; the
-    last stage then builds the same data with that tokenizer.
+    The leader builds first, training or loading the tokenizer and saving it into ``run_dir``;
+    the other first and last stages then build the same data with that tokenizer.
     """
-    data = build_data(cfg, run_dir) if rank == 0 else None
-    vocab, val_batches = _broadcast((data.tokenizer.vocab_size, len(data.val)) if data else None)
-    if rank == world - 1 and rank != 0:
+    data = build_data(cfg, run_dir) if layout.is_leader else None
+    shape = (data.tokenizer.vocab_size, len(data.val)) if data else None
+    vocab, val_batches = _broadcast(layout, shape)
+    if data is None and (layout.is_first_stage or layout.is_last_stage):
         data = build_data(cfg, run_dir)
     return data, vocab, val_batches
 
@@ -115,28 +119,30 @@ def train_pipeline(
     """
     from nobubble.pipeline.runtime import PipelineEngine
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    check_world(cfg, world, rank)
+    layout = launch_layout(cfg)
+    check_launch(cfg, layout)
     configure_torch(cfg)
     device, backend = device_and_backend(cfg)
-    open_process_group(backend, device, rank, world, cfg.p2p_timeout_s)
+    open_process_group(backend, device, layout.rank, layout.world, cfg.p2p_timeout_s)
     auto_resume = auto_resume or restarted_by_torchrun()
     try:
         setup = None
-        try:  # rank 0 opens the run (a new one in its setup folder); every stage sets up
-            setup = _from_rank0(rank, lambda: open_run(cfg, overwrite, resume, auto_resume, world))
-            data, vocab, val_batches = build_stage_data(cfg, setup.work, rank, world)
-            engine = PipelineEngine(cfg, model_config(cfg, vocab), device, val_batches)
+        try:  # the leader opens the run (a new one in its setup folder); every stage sets up
+            setup = _from_leader(
+                layout, lambda: open_run(cfg, overwrite, resume, auto_resume, layout.world)
+            )
+            data, vocab, val_batches = build_stage_data(cfg, setup.work, layout)
+            engine = PipelineEngine(cfg, model_config(cfg, vocab), device, val_batches, layout)
             before = restore_checkpoint(setup.checkpoint, engine, data)
             dist.barrier()  # every stage is ready: only now may the run folder change
-            run = _from_rank0(rank, setup.commit)
+            run = _from_leader(layout, setup.commit)
         except BaseException:
-            if rank == 0 and setup is not None:
+            if layout.is_leader and setup is not None:
                 setup.discard()
             raise
-        if rank == 0:
+        if layout.is_leader:
             print(f"run folder: {run.path}{resuming(setup.checkpoint)}", flush=True)
-        with stop_on_signals(announce=rank == 0) as stop:
+        with stop_on_signals(announce=layout.is_leader) as stop:
             run_training(cfg, run, data, engine, before, stop)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         return run.path

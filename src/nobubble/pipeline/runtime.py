@@ -27,6 +27,7 @@ from nobubble.config import TrainConfig
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats, clip_stage, peak_memory_mb
 from nobubble.evaluation import EvalSums
+from nobubble.layout import ParallelLayout
 from nobubble.model import ModelConfig, Stage, lm_loss, partition
 from nobubble.optim import build_optimizer, lr_at, set_lr
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
@@ -67,22 +68,27 @@ def segment_actions(
 
 
 class PipelineEngine:
-    """Rank ``rank`` of a ``cfg.stages``-stage pipeline (torch.distributed must be initialized)."""
+    """The stage ``layout.stage`` of a ``cfg.stages``-stage pipeline (torch.distributed must be
+    initialized). Peers are addressed by stage; the layout maps stages to ranks."""
 
     def __init__(
-        self, cfg: TrainConfig, mc: ModelConfig, device: torch.device, val_batches: int
+        self,
+        cfg: TrainConfig,
+        mc: ModelConfig,
+        device: torch.device,
+        val_batches: int,
+        layout: ParallelLayout,
     ) -> None:
-        self.cfg, self.device = cfg, device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cfg, self.device, self.layout = cfg, device, layout
         specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
-        self.spec = specs[self.rank]
+        self.spec = specs[layout.stage]
         self.first, self.last = self.spec.has_embed, self.spec.has_head
         self.module = Stage(mc, self.spec, cfg.seed).to(device)
         params = dict(self.module.named_parameters())
         self.store = VersionStore(params)
         self.optimizer = build_optimizer(list(params.items()), cfg)
-        self.delay = stage_delays(cfg.schedule, cfg.stages)[self.rank]
-        self.messenger = Messenger(self.rank, cfg.p2p_timeout_s)
+        self.delay = stage_delays(cfg.schedule, cfg.stages)[layout.stage]
+        self.messenger = Messenger(layout, cfg.p2p_timeout_s)
         self.hidden_shape = (cfg.microbatch_size(), cfg.seq_len, mc.d_model)
         self.val_batches = val_batches
         self.eval_sequence = 0
@@ -90,7 +96,7 @@ class PipelineEngine:
         self.micro_per_step = 1 if cfg.schedule == "pipedream" else cfg.microbatches
         self.train_wall_s = self.train_idle_s = 0.0
         self.versions_peak = 1
-        self.peer_stop = False  # rank 0: a stage asked to stop in the last steps of a segment
+        self.peer_stop = False  # stage 0: a stage asked to stop in the last steps of a segment
 
     def barrier(self) -> None:
         dist.barrier()
@@ -106,13 +112,13 @@ class PipelineEngine:
     ) -> None:
         """Run this stage's actions for steps [self.step, stop), or fewer if a stop is requested.
 
-        Before its first action of a step, every stage learns from rank 0 whether the step runs
-        (rank 0 is the first to touch any step, so nobody waits for that answer). If it does
+        Before its first action of a step, every stage learns from stage 0 whether the step runs
+        (stage 0 is the first to touch any step, so nobody waits for that answer). If it does
         not, every stage drops the actions of that and later steps: what remains is exactly the
         schedule of the shorter run, cool-down included. A stop requested on another stage
-        reaches rank 0 as that stage's vote (see ``_Segment.clear``).
+        reaches stage 0 as that stage's vote (see ``_Segment.clear``).
         """
-        actions = segment_actions(self.cfg, self.rank, self.step, stop, self.delay)
+        actions = segment_actions(self.cfg, self.layout.stage, self.step, stop, self.delay)
         run = _Segment(self, next_batch, on_step)
         started, waited = time.perf_counter(), self.messenger.waited_s
         index = 0
@@ -144,10 +150,10 @@ class PipelineEngine:
         return norm, ok, lr
 
     def stage_reports(self) -> list[dict[str, float]] | None:
-        """Every stage's idle time and memory, gathered on rank 0 (a collective call)."""
+        """Every stage's idle time and memory, gathered on the leader (a collective call)."""
         param_mb = sum(p.numel() * p.element_size() for p in self.store.params.values()) / 2**20
         report = {
-            "stage": self.rank,
+            "stage": self.layout.stage,
             "blocks": len(self.spec.blocks),
             "train_wall_s": self.train_wall_s,
             "idle_s": self.train_idle_s,
@@ -156,8 +162,8 @@ class PipelineEngine:
             "param_mb": param_mb,
             "weight_versions_peak": self.versions_peak,
         }
-        reports = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(report, reports, dst=0)
+        reports = [None] * self.layout.world if self.layout.is_leader else None
+        dist.gather_object(report, reports, dst=self.layout.leader)
         return reports
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -183,7 +189,7 @@ class PipelineEngine:
                     self.hidden_shape,
                     torch.float32,
                     self.device,
-                    self.rank - 1,
+                    self.layout.stage - 1,
                     Channel.EVAL_ACTIVATION,
                     sequence,
                     f"evaluation activation {i}",
@@ -193,20 +199,22 @@ class PipelineEngine:
             if self.last:
                 sums.add(out, chunks[i][:, 1:], token_bytes)
             else:
-                self.messenger.send(out.float(), self.rank + 1, Channel.EVAL_ACTIVATION, sequence)
+                self.messenger.send(
+                    out.float(), self.layout.stage + 1, Channel.EVAL_ACTIVATION, sequence
+                )
         self.eval_sequence += count
-        sums = self._gather_to_rank0(sums)
+        sums = self._gather_to_first_stage(sums)
         self.messenger.drain()
         return sums
 
-    def _gather_to_rank0(self, sums: EvalSums) -> EvalSums:
-        if self.world == 1:
+    def _gather_to_first_stage(self, sums: EvalSums) -> EvalSums:
+        if self.layout.pp == 1:
             return sums
-        last = self.world - 1
-        if self.rank == last:
+        last = self.layout.pp - 1
+        if self.layout.is_last_stage:
             totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
             self.messenger.send(totals, 0, Channel.EVAL_SUMS, self.eval_sequence)
-        if self.rank == 0:
+        if self.layout.is_first_stage:
             totals = self.messenger.recv(
                 (4,),
                 torch.float64,
@@ -255,20 +263,20 @@ class _Segment:
         self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
-        self.votes: dict[int, list[PendingRecv]] = {}  # rank 0: the other stages' stop votes
+        self.votes: dict[int, list[PendingRecv]] = {}  # stage 0: the other stages' stop votes
 
     def clear(self, step: int, should_stop: Callable[[], bool]) -> bool:
-        """Whether ``step`` runs: rank 0 decides and tells every other stage.
+        """Whether ``step`` runs: stage 0 decides and tells every other stage.
 
-        Every other stage first sends rank 0 its vote: whether a stop was requested there (a
-        signal may reach only some processes, e.g. one node of a multi-node job). Rank 0 reads
+        Every other stage first sends stage 0 its vote: whether a stop was requested there (a
+        signal may reach only some processes, e.g. one node of a multi-node job). Stage 0 reads
         the votes of step ``step - (delay + 1)``, its own delay + 1 being how far it can run
         ahead of the last stage; by the time it clears ``step`` every stage has voted on that
         step, so reading the votes never waits in a running pipeline. A stop asked for on
-        another stage thus takes effect at most ``delay + 1`` steps later than on rank 0.
+        another stage thus takes effect at most ``delay + 1`` steps later than on stage 0.
         """
         e = self.e
-        if e.rank == 0:
+        if e.layout.is_first_stage:
             go = not (should_stop() or e.peer_stop or self.stop_voted(step - e.delay - 1))
             e.peer_stop = False
             self.votes[step] = [
@@ -281,10 +289,10 @@ class _Segment:
                     step,
                     f"the stop vote for step {step}",
                 )
-                for peer in range(1, e.world)
+                for peer in range(1, e.layout.pp)
             ]
             flag = torch.tensor([1.0 if go else 0.0], device=e.device)
-            for peer in range(1, e.world):
+            for peer in range(1, e.layout.pp):
                 e.messenger.send(flag, peer, Channel.CONTROL, step)
         else:
             vote = torch.tensor([1.0 if should_stop() else 0.0], device=e.device)
@@ -305,12 +313,12 @@ class _Segment:
         return go
 
     def stop_voted(self, step: int) -> bool:
-        """Rank 0: whether any other stage asked to stop when it cleared ``step``."""
+        """Stage 0: whether any other stage asked to stop when it cleared ``step``."""
         votes = [self.e.messenger.wait(vote).item() for vote in self.votes.pop(step, [])]
         return any(vote > 0 for vote in votes)  # every receive waited for, not just the first
 
     def count_remaining_votes(self) -> None:
-        """Rank 0, at the end of a segment: read the votes not read yet, keep a stop for later."""
+        """Stage 0, at the end of a segment: read the votes not read yet, keep a stop for later."""
         for step in sorted(self.votes):
             self.e.peer_stop |= self.stop_voted(step)
 
@@ -397,11 +405,11 @@ class _Segment:
         total = self.losses.pop(step, None)
         loss = math.nan if total is None else total.item() / e.micro_per_step
         report = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
-        if e.rank != 0:
+        if not e.layout.is_first_stage:
             e.messenger.send(report.to(e.device), 0, Channel.STATS, step)
             return
         reports = [report]
-        for peer in range(1, e.world):
+        for peer in range(1, e.layout.pp):
             reports.append(
                 e.messenger.recv(
                     (3,),
