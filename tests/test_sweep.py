@@ -3,6 +3,7 @@
 import argparse
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ seq_len = 32
 batch_size = 4
 steps = 4
 eval_every = 2
+checkpoint_every = 2
 eval_batches = 1
 warmup_steps = 1
 
@@ -92,6 +94,16 @@ def test_toy_sweep_runs_skips_resumes_refuses_and_reports(grid, tmp_path, capsys
     assert last_line(capsys.readouterr().out) == tally(done=1, skipped=1)
     assert (delayed / "summary.json").is_file()
     assert (sync / "summary.json").stat().st_mtime_ns == kept
+
+    # One stopped halfway (as by Ctrl-C: a checkpoint, no summary) continues from its checkpoint.
+    first_lines = (delayed / "metrics.jsonl").read_text().splitlines()[:2]
+    (delayed / "summary.json").unlink()
+    shutil.rmtree(delayed / "checkpoints" / "step_000004")
+    assert call(sweep, *argv) == 0
+    assert last_line(capsys.readouterr().out) == tally(done=1, skipped=1)
+    assert "resuming step_000002" in (out / "_sweep" / f"{delayed.name}.log").read_text()
+    assert (delayed / "metrics.jsonl").read_text().splitlines()[:2] == first_lines
+    assert (delayed / "summary.json").is_file()
 
     # The report: one row per run, numbers straight from the summaries, a gap 2bw - sync.
     summaries = {f: json.loads((f / "summary.json").read_text()) for f in (sync, delayed)}

@@ -223,6 +223,7 @@ def test_config_file_and_command(tmp_path):
         "train",
         "--config",
         str(config_file),
+        "--auto-resume",
     ]
 
 

@@ -1,9 +1,10 @@
 """Running planned runs as separate processes, a few at a time, each logging to its own file.
 
 Each run's resolved config is written to ``<logs>/<run>.toml`` and trained with
-``python -m nobubble train --config <run>.toml`` (under ``torchrun --standalone`` for pipeline
-runs, one process per stage); stdout and stderr go to ``<logs>/<run>.log``. A run that fails does
-not stop the others.
+``python -m nobubble train --config <run>.toml --auto-resume`` (under ``torchrun --standalone``
+for pipeline runs, one process per stage); stdout and stderr go to ``<logs>/<run>.log``. A run that
+fails does not stop the others. A half-done run (stopped or failed in an earlier session) continues
+from its newest valid checkpoint; one without any to continue from is removed and trained again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import IO
 
 import tomli_w
 
+from nobubble.checkpoint import checkpoint_step
+from nobubble.resume import latest_valid_checkpoint
 from nobubble.sweeping.planned import PlannedRun
 
 POLL_S = 0.2
@@ -39,7 +42,7 @@ class Outcome:
 
 
 def command(run: PlannedRun, config_file: Path) -> list[str]:
-    train = ["-m", "nobubble", "train", "--config", str(config_file)]
+    train = ["-m", "nobubble", "train", "--config", str(config_file), "--auto-resume"]
     if run.launcher == "torchrun":
         launcher = ["-m", "torch.distributed.run", "--standalone"]
         launcher.append(f"--nproc-per-node={run.processes}")
@@ -62,9 +65,16 @@ class _Running:
     started: float
 
 
+def _can_continue(run: PlannedRun) -> bool:
+    """Whether a half-done run has a valid checkpoint before its last step (one at the last step
+    lacks only the summary, which a resume would not write: that run is trained again)."""
+    found = latest_valid_checkpoint(run.path / "checkpoints")
+    return found is not None and checkpoint_step(found[0]) < run.config.steps
+
+
 def _start(run: PlannedRun, logs: Path) -> _Running:
-    if run.path.exists():
-        shutil.rmtree(run.path)  # half-done (the planner never hands over a complete run)
+    if run.path.exists() and not _can_continue(run):
+        shutil.rmtree(run.path)  # half-done with nothing to continue from: start it again
     logs.mkdir(parents=True, exist_ok=True)
     config_file = logs / f"{run.name}.toml"
     write_config_file(run, config_file)

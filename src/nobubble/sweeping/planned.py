@@ -3,7 +3,8 @@
 A run is complete when its folder holds summary.json and a config.json with the same result
 settings as planned (folder, threads and progress bar aside). Without a summary it is diverged if
 the non-finite policy stopped it (:func:`~nobubble.reporting.runs.stopped_diverged`): done, like
-a complete run, with an infinite loss; otherwise it is half-done: removed and run again. A folder
+a complete run, with an infinite loss; otherwise it is half-done: continued from its newest valid
+checkpoint, or removed and run again if it has none. A folder
 with any other content is never touched: the sweep stops and says which folder and which
 settings differ.
 """
@@ -23,7 +24,7 @@ from nobubble.reporting.runs import final_loss, result_settings, stopped_diverge
 
 class Status(enum.Enum):
     NEW = "run"
-    PARTIAL = "rerun"  # half-done: removed, then run again
+    PARTIAL = "rerun"  # half-done: continued from a checkpoint, else removed and run again
     COMPLETE = "skip"
     DIVERGED = "diverged"  # stopped by the non-finite policy: done, an infinite loss
     CONFLICT = "CONFLICT"
