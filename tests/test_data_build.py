@@ -193,6 +193,24 @@ def test_bpe_is_trained_on_training_text_saved_and_reused(tmp_path):
     assert _same(build_data(cfg).val, first.val)  # no run folder: same training, same data
 
 
+def test_a_given_tokenizer_builds_the_same_data_and_touches_no_folder(tmp_path, monkeypatch):
+    """A pipeline rank other than the leader: the leader's tokenizer, handed over in memory,
+    and only the data source is read."""
+    path = tmp_path / "a.txt"
+    path.write_text(_text(3000, 4))
+    cfg = _cfg(data=str(path), tokenizer="bpe", bpe_vocab_size=300)
+    leader = build_data(cfg, tmp_path / "run")
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.chdir(tmp_path)
+    given = load_tokenizer(tmp_path / "run")  # any object with the leader's tokenizer
+    other = build_data(cfg, tokenizer=given)
+    assert other.tokenizer is given
+    assert sorted(tmp_path.rglob("*")) == before
+    assert _same(_batches(other, 3), _batches(leader, 3)) and _same(other.val, leader.val)
+    with pytest.raises(ValueError, match="not both"):
+        build_data(cfg, tmp_path / "run", tokenizer=given)
+
+
 def test_the_run_folder_tokenizer_wins_on_resume(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text(_text(3000, 5))

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as HFModel
 from tokenizers import decoders, models, pre_tokenizers
 
 from nobubble.data import ByteTokenizer, DataError, HFTokenizer, load_tokenizer
-from nobubble.data.tokenizer import byte_to_char, named_tokenizer, train_bpe
+from nobubble.data.tokenizer import byte_to_char, named_tokenizer, tokenizer_from_json, train_bpe
 
 TEXTS = [
     "Who's there?\nNay, answer me: stand, and unfold yourself.\n",
@@ -149,6 +149,20 @@ def test_token_bytes_of_wordpiece_vocabulary():
     tok.decoder = decoders.WordPiece()
     tok.add_special_tokens(["[UNK]"])
     assert HFTokenizer(tok, "wp").token_bytes().tolist() == [0, 4, 3, 0]
+
+
+def test_a_tokenizer_rebuilt_from_its_json_text_is_the_same(bpe):
+    """How the pipeline's leader hands its tokenizer to the other ranks: text, no file."""
+    again = tokenizer_from_json(bpe.to_json(), bpe.spec)
+    assert isinstance(again, HFTokenizer) and again.spec == "bpe"
+    assert again.to_json() == bpe.to_json()  # saved byte for byte alike: same checksum
+    assert (again.vocab_size, again.eos_id) == (bpe.vocab_size, bpe.eos_id)
+    assert torch.equal(again.token_bytes(), bpe.token_bytes())
+    assert [again.encode(t) for t in TEXTS] == [bpe.encode(t) for t in TEXTS]
+    byte = tokenizer_from_json(ByteTokenizer().to_json(), "byte")
+    assert isinstance(byte, ByteTokenizer)  # keeps its numpy fast path
+    with pytest.raises(DataError, match=r"not a valid Hugging Face tokenizer\.json"):
+        tokenizer_from_json("{not json", "bpe")
 
 
 def test_load_tokenizer_errors_name_the_problem(tmp_path):

@@ -181,7 +181,8 @@ def save_checkpoint(
     meta = {
         "step": engine.step,
         "data": data.train.state_dict() if data else None,
-        "tokenizer_sha256": tokenizer_digest(run.path),
+        # the leader's alone (shard 0, which a resume checks): no other rank reads run files
+        "tokenizer_sha256": tokenizer_digest(run.path) if layout.is_leader else None,
         "config": cfg.to_dict(),
         "elapsed": asdict(elapsed),
     }

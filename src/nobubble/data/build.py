@@ -1,7 +1,8 @@
 """``build_data``: config -> tokenizer + training batches + fixed validation batches.
 
-A pure function of the config (and of a tokenizer already saved in the run folder), so every
-pipeline stage that calls it sees the same batches in the same order.
+A pure function of the config and the tokenizer (one already saved in the run folder, or one
+handed over in memory), so every pipeline stage that calls it sees the same batches in the same
+order.
 """
 
 from __future__ import annotations
@@ -55,28 +56,43 @@ class DataBundle:
     info: dict[str, Any] = field(default_factory=dict)  # what was loaded, for logs
 
 
-def build_data(cfg: TrainConfig, run_dir: Path | None = None) -> DataBundle:
+def build_data(
+    cfg: TrainConfig, run_dir: Path | None = None, tokenizer: Tokenizer | None = None
+) -> DataBundle:
     """Tokenizer, training batches and validation batches for ``cfg``.
 
     With ``run_dir``, a ``tokenizer.json`` already there is used as is (resume), and otherwise the
-    tokenizer is saved there.
+    tokenizer is saved there. With ``tokenizer`` (and no ``run_dir``), that tokenizer is used as
+    is and no folder is read or written: only the data source (a pipeline stage other than the
+    leader, which received the leader's tokenizer).
     """
-    return build_from_source(parse_data_spec(cfg.data, cfg.data_field), cfg, run_dir)
+    source = parse_data_spec(cfg.data, cfg.data_field)
+    return build_from_source(source, cfg, run_dir, tokenizer)
 
 
-def build_from_source(source: Source, cfg: TrainConfig, run_dir: Path | None) -> DataBundle:
+def build_from_source(
+    source: Source, cfg: TrainConfig, run_dir: Path | None, tokenizer: Tokenizer | None = None
+) -> DataBundle:
+    if tokenizer is not None and run_dir is not None:
+        raise ValueError("build_data takes a run folder or a tokenizer, not both")
     if isinstance(source, BinFiles):
-        return _shard_data(source, cfg, run_dir)
+        return _shard_data(source, cfg, run_dir, tokenizer)
     if isinstance(source, HFDataset):
-        return _stream_data(source, cfg, run_dir)
-    return _text_data(source, cfg, run_dir)
+        return _stream_data(source, cfg, run_dir, tokenizer)
+    return _text_data(source, cfg, run_dir, tokenizer)
 
 
 def resolve_tokenizer(
-    cfg: TrainConfig, run_dir: Path | None, training_text: Callable[[], Iterable[str]] | None
+    cfg: TrainConfig,
+    run_dir: Path | None,
+    training_text: Callable[[], Iterable[str]] | None,
+    given: Tokenizer | None = None,
 ) -> Tokenizer:
-    """The run folder's tokenizer if it has one, else the one ``cfg.tokenizer`` names (a BPE is
-    trained on ``training_text()``); saved into the run folder."""
+    """``given`` if there is one; else the run folder's tokenizer if it has one, else the one
+    ``cfg.tokenizer`` names (a BPE is trained on ``training_text()``), saved into the run
+    folder."""
+    if given is not None:
+        return given
     if run_dir is not None and (Path(run_dir) / TOKENIZER_FILE).is_file():
         return load_tokenizer(run_dir)
     if cfg.tokenizer == "bpe":
@@ -117,10 +133,12 @@ def _training_rows(rows: PackedRows, cfg: TrainConfig) -> ShuffledBatches:
     return ShuffledBatches(rows, cfg.batch_size, cfg.seed)
 
 
-def _text_data(source: Source, cfg: TrainConfig, run_dir: Path | None) -> DataBundle:
+def _text_data(
+    source: Source, cfg: TrainConfig, run_dir: Path | None, given: Tokenizer | None
+) -> DataBundle:
     split = split_documents(iter_documents(source), cfg.val_fraction)
     train_text = (piece for run in split.train for piece in run)
-    tokenizer = resolve_tokenizer(cfg, run_dir, lambda: train_text)
+    tokenizer = resolve_tokenizer(cfg, run_dir, lambda: train_text, given)
     train = PackedRows([pack_runs(tokenizer, split.train)], cfg.seq_len, tokenizer.vocab_size)
     val = PackedRows([pack_runs(tokenizer, split.val)], cfg.seq_len, tokenizer.vocab_size)
     return _bundle(
@@ -129,8 +147,10 @@ def _text_data(source: Source, cfg: TrainConfig, run_dir: Path | None) -> DataBu
     )  # fmt: skip
 
 
-def _shard_data(source: BinFiles, cfg: TrainConfig, run_dir: Path | None) -> DataBundle:
-    tokenizer = resolve_tokenizer(cfg, run_dir, None)
+def _shard_data(
+    source: BinFiles, cfg: TrainConfig, run_dir: Path | None, given: Tokenizer | None
+) -> DataBundle:
+    tokenizer = resolve_tokenizer(cfg, run_dir, None, given)
     shards = [(path.name, open_shard(path, cfg.bin_dtype)) for path in source.paths]
     for path, (_, tokens) in zip(source.paths, shards, strict=True):
         capacity = np.iinfo(tokens.dtype).max + 1
@@ -149,8 +169,11 @@ def _shard_data(source: BinFiles, cfg: TrainConfig, run_dir: Path | None) -> Dat
     )  # fmt: skip
 
 
-def _stream_data(source: HFDataset, cfg: TrainConfig, run_dir: Path | None) -> DataBundle:
-    tokenizer = resolve_tokenizer(cfg, run_dir, lambda: _stream_train_text(source, cfg))
+def _stream_data(
+    source: HFDataset, cfg: TrainConfig, run_dir: Path | None, given: Tokenizer | None
+) -> DataBundle:
+    train_text = lambda: _stream_train_text(source, cfg)  # noqa: E731
+    tokenizer = resolve_tokenizer(cfg, run_dir, train_text, given)
     val = PackedRows(
         [_stream_val_tokens(source, tokenizer, cfg)], cfg.seq_len, tokenizer.vocab_size
     )

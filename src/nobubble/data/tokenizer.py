@@ -207,7 +207,22 @@ def _read_tokenizer_file(path: str | Path, spec: str) -> Tokenizer:
             f"{path} is not a valid Hugging Face tokenizer.json ({exc}); point tokenizer= at a "
             "file saved by `tokenizers` or `transformers`"
         ) from None
+    return _wrap(tok, spec)
+
+
+def _wrap(tok: HFTokenizerModel, spec: str) -> Tokenizer:
     return ByteTokenizer() if _is_byte_tokenizer(tok) else HFTokenizer(tok, spec)
+
+
+def tokenizer_from_json(text: str, spec: str) -> Tokenizer:
+    """The tokenizer whose :meth:`Tokenizer.to_json` is ``text`` (and whose spec was ``spec``),
+    built in memory: how the pipeline's leader hands its tokenizer to the other stages without
+    a file. ``tokenizer_from_json(t.to_json(), t.spec)`` encodes and saves exactly as ``t``."""
+    try:
+        tok = HFTokenizerModel.from_str(text)
+    except Exception as exc:  # the Rust loader raises a bare Exception
+        raise DataError(f"not a valid Hugging Face tokenizer.json ({exc})") from None
+    return _wrap(tok, spec)
 
 
 def hub_tokenizer(name: str) -> Tokenizer:

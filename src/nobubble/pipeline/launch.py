@@ -2,13 +2,17 @@
 
 The layout (:mod:`nobubble.layout`) says which stage each process runs. Its leader (rank 0, the
 first stage) opens the run (a new one is set up in a folder beside its run folder) and builds the
-data; the last stage then builds the same data (reusing the tokenizer the leader saved there);
-stages in between load no data at all. The run folder changes only once every stage is set up.
+data; the last stage then builds the same data from the data source with the tokenizer the
+leader sends it (setting up a new run, no rank but the leader touches the run folder: nodes share
+no files but the run folder, where every rank writes its checkpoint shard and, on a resume,
+reads it back); stages in between load no data at all. The run folder changes only once every
+stage is set up.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +22,8 @@ import torch.distributed as dist
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle, build_data
+from nobubble.data.errors import DataError
+from nobubble.data.tokenizer import tokenizer_from_json
 from nobubble.interrupt import stop_on_signals
 from nobubble.layout import ParallelLayout
 from nobubble.model import model_config
@@ -94,15 +100,52 @@ def build_stage_data(
     """This stage's data (first and last stage only), the vocabulary size and the number of
     validation batches (both known on every rank).
 
-    The leader builds first, training or loading the tokenizer and saving it into ``run_dir``;
-    the other first and last stages then build the same data with that tokenizer.
+    The leader builds first, training or loading the tokenizer and saving it into ``run_dir``,
+    and sends the tokenizer (its ``tokenizer.json`` text) to every rank; the other first and
+    last stages build the same data from the data source with it. Only the leader touches
+    ``run_dir`` (on a multi-node run the others may not see it); an error of any rank's build is
+    raised on every rank.
     """
-    data = build_data(cfg, run_dir) if layout.is_leader else None
-    shape = (data.tokenizer.vocab_size, len(data.val)) if data else None
-    vocab, val_batches = _broadcast(layout, shape)
-    if data is None and (layout.is_first_stage or layout.is_last_stage):
+    data = None
+
+    def lead() -> tuple[str, str, int, int]:
+        nonlocal data
         data = build_data(cfg, run_dir)
-    return data, vocab, val_batches
+        tokenizer = data.tokenizer
+        return tokenizer.to_json(), tokenizer.spec, tokenizer.vocab_size, len(data.val)
+
+    text, spec, vocab, val_batches = _from_leader(layout, lead)
+    needs_data = data is None and (layout.is_first_stage or layout.is_last_stage)
+    built = _build_on_every_rank(cfg, layout, (text, spec) if needs_data else None)
+    return data or built, vocab, val_batches
+
+
+def _build_on_every_rank(
+    cfg: TrainConfig, layout: ParallelLayout, tokenizer: tuple[str, str] | None
+) -> DataBundle | None:
+    """This rank's data from the data source with ``tokenizer`` (the leader's ``tokenizer.json``
+    text and spec; None: this rank builds nothing). A rank that fails tells every rank, and every
+    rank raises an error that names it and its host, so that no rank waits for one that is gone
+    and the leader's log says what went wrong."""
+    data, failure = None, None
+    try:
+        if tokenizer is not None:
+            data = build_data(cfg, tokenizer=tokenizer_from_json(*tokenizer))
+    except Exception as exc:  # raised below, on every rank
+        failure = exc
+    where = f"rank {layout.rank} ({layout.name()}) on host {socket.gethostname()}"
+    what = failure if isinstance(failure, DataError) else f"{type(failure).__name__}: {failure}"
+    reports: list[str | None] = [None] * layout.world
+    dist.all_gather_object(reports, None if failure is None else f"{where}: {what}")
+    if failure is not None and not isinstance(failure, DataError):
+        raise failure  # a bug: its own traceback here
+    failed = [report for report in reports if report is not None]
+    if failed:
+        raise DataError(
+            f"{failed[0]}\nEvery node that holds a first or last stage reads the data itself: "
+            "the same files at the same path on each (see docs/pipeline.md, Multi-node)"
+        )
+    return data
 
 
 def restarted_by_torchrun() -> bool:
