@@ -125,6 +125,12 @@ class TrainConfig:
     schedule: str = _opt("sync", "sync | gpipe | 1f1b | 2bw | pipedream")
     stages: int = _opt(1, "pipeline stages P", POSITIVE)
     microbatches: int = _opt(1, "microbatches M per optimizer step", POSITIVE)
+    dp: int = _opt(
+        1,
+        "data-parallel replicas of the pipeline (torchrun: stages x dp processes); each reads "
+        "1/dp of every microbatch",
+        POSITIVE,
+    )
     stage_layers: list[int] | None = _opt(
         None, "explicit blocks per stage, e.g. [3, 3]", NON_NEGATIVE
     )
@@ -165,7 +171,8 @@ class TrainConfig:
         if self.name:
             return self.name
         ef = "-ef" if self.ef else ""
-        return f"{self.preset}-{self.optim}-{self.schedule}{ef}-p{self.stages}-s{self.seed}"
+        dp = f"-dp{self.dp}" if self.dp > 1 else ""
+        return f"{self.preset}-{self.optim}-{self.schedule}{ef}-p{self.stages}{dp}-s{self.seed}"
 
     def is_sync(self) -> bool:
         return self.schedule in SYNC_SCHEDULES
@@ -337,6 +344,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
             "pick a batch size that is a multiple of the microbatch count"
+        )
+    if cfg.microbatch_size() % cfg.dp:
+        raise ConfigError(
+            f"each of the {cfg.microbatches} microbatches of batch_size {cfg.batch_size} holds "
+            f"{cfg.microbatch_size()} sequences, which dp={cfg.dp} replicas cannot share equally; "
+            f"batch_size must be a multiple of microbatches x dp = {cfg.microbatches * cfg.dp}"
         )
     if cfg.schedule == "2bw" and cfg.stages > 1 and cfg.microbatches < cfg.stages:
         raise ConfigError(

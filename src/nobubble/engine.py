@@ -1,17 +1,9 @@
-"""What the training loop needs from a backend, and the update rules both backends share.
-
-Update policy (identical in the simulator and in every pipeline stage, see docs/training.md):
-each stage clips the gradient of its own parameters to ``grad_clip`` (no cross-stage reduction,
-so no stage ever waits for another: a global all-reduce would re-create the bubble under 2bw), and
-a stage whose gradient norm is not finite skips its update for that step (weights and optimizer
-state unchanged). The training loop aborts after ``nonfinite_patience`` such steps in a row.
-"""
+"""What the training loop needs from a backend (the update both apply: :mod:`nobubble.update`)."""
 
 from __future__ import annotations
 
-import math
 import resource
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,7 +11,6 @@ import torch
 
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
-from nobubble.optim import clip_grad_norm
 
 
 @dataclass
@@ -64,26 +55,8 @@ class Engine(Protocol):
         """Per-stage idle time and memory of a pipeline, on the leader (collective); else None."""
 
 
-def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, bool]:
-    """Clip one stage's gradients; drop them if non-finite so the optimizer skips the stage.
-
-    Returns (norm before clipping, whether the update goes ahead).
-    """
-    params = [p for p in params if p.grad is not None]
-    norm = clip_grad_norm(params, max_norm)
-    if math.isfinite(norm):
-        return norm, True
-    for p in params:
-        p.grad = None
-    return norm, False
-
-
 def peak_memory_mb(device: torch.device) -> float:
     """Peak CUDA memory allocated by tensors, or on the CPU the process's peak resident size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def combined_norm(norms: Iterable[float]) -> float:
-    return math.sqrt(sum(n * n for n in norms))

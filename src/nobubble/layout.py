@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from nobubble.config import ConfigError
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp")  # outermost first
@@ -112,10 +113,11 @@ class ParallelLayout:
     def shards(self) -> int:
         return self.pp
 
-    def name(self, stage: int | None = None) -> str:
-        """``stage`` of this rank's replica (default: this rank's stage), for messages."""
+    def name(self, stage: int | None = None, replica: int | None = None) -> str:
+        """``stage`` of ``replica`` (defaults: this rank's), for messages."""
         stage = self.stage if stage is None else stage
-        return f"stage {stage}" if self.dp == 1 else f"stage {stage} of replica {self.replica}"
+        replica = self.replica if replica is None else replica
+        return f"stage {stage}" if self.dp == 1 else f"stage {stage} of replica {replica}"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world:
@@ -140,3 +142,11 @@ def device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
             f"layout at ({layout.stage}, {layout.replica}); this is a bug in nobubble"
         )
     return mesh
+
+
+def replica_group(layout: ParallelLayout, device_type: str) -> ProcessGroup | None:
+    """The process group of this rank's stage's data-parallel replicas (its mesh's "dp"
+    group), or None without data parallelism. Every rank must call it (it builds the mesh)."""
+    if layout.dp == 1:
+        return None
+    return device_mesh(layout, device_type).get_group("dp")

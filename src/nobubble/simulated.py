@@ -18,11 +18,12 @@ from torch.func import functional_call
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.delay import gradient_version, stage_delays
-from nobubble.engine import StepStats, clip_stage, combined_norm
+from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
 from nobubble.model import ModelConfig, StageSpec, build_model, lm_loss, partition
-from nobubble.optim import build_optimizer, lr_at, set_lr
+from nobubble.optim import build_optimizer
+from nobubble.update import combined_norm, optimizer_step, prepare_step, take_gradients
 from nobubble.versions import VersionStore, Weights
 
 
@@ -91,17 +92,12 @@ class DelayedTrainer:
 
         norms, skipped = [], []
         for stage, store in enumerate(self.stores):
-            store.take_gradients(used[stage])
-            norm, ok = clip_stage(store.params.values(), cfg.grad_clip)
+            take_gradients(store, t, self.delays[stage])
+            norm, ok = prepare_step(store, t, self.delays[stage], cfg.grad_clip)
             norms.append(norm)
             if not ok:
                 skipped.append(stage)
-            store.release_older_than(gradient_version(t + 1, self.delays[stage]))
-            store.begin_step(still_needed=self.delays[stage] > 0)
-        lr = lr_at(t, cfg)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = optimizer_step(self.optimizer, t, cfg)
         self.step += 1
         return StepStats(t, total / len(microbatches), combined_norm(norms), lr, skipped)
 

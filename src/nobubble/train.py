@@ -186,9 +186,10 @@ def save_checkpoint(
         "config": cfg.to_dict(),
         "elapsed": asdict(elapsed),
     }
-    write_shard(
-        staging_dir(root, engine.step), layout.shard, engine.checkpoint_tensors(), state, meta
-    )
+    if layout.replica == 0:  # replicas hold the same state: the first one writes it
+        write_shard(
+            staging_dir(root, engine.step), layout.shard, engine.checkpoint_tensors(), state, meta
+        )
     engine.barrier()
     if layout.is_leader:
         publish(

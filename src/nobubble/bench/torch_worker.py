@@ -31,10 +31,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from nobubble.config import TrainConfig, build_config, parse_overrides
-from nobubble.engine import clip_stage, peak_memory_mb
+from nobubble.engine import peak_memory_mb
 from nobubble.layout import ParallelLayout
 from nobubble.model import Stage, lm_loss, model_config, partition
-from nobubble.optim import build_optimizer, lr_at, set_lr
+from nobubble.optim import build_optimizer
 from nobubble.pipeline.launch import build_stage_data, launch_layout
 from nobubble.pipeline.process_group import (
     close_process_group,
@@ -45,6 +45,7 @@ from nobubble.pipeline.process_group import (
 from nobubble.runfolder import RunFolder
 from nobubble.simulated import autocast
 from nobubble.train import configure_torch
+from nobubble.update import clip_stage, optimizer_step
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -114,9 +115,7 @@ class TorchStageRunner:
     def optimizer_step(self, step: int) -> None:
         """The same update rule as our STEP: per-stage clipping, scheduled LR, optimizer."""
         clip_stage(self.module.parameters(), self.cfg.grad_clip)
-        set_lr(self.optimizer, lr_at(step, self.cfg))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_step(self.optimizer, step, self.cfg)
 
     def train(self) -> dict[str, Any]:
         losses, step_ends = [], []

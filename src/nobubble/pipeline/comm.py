@@ -42,6 +42,7 @@ class PendingRecv:
     buffer: torch.Tensor
     work: dist.Work
     peer: int  # the sending stage
+    replica: int | None  # its replica (None: this rank's)
     what: str
 
 
@@ -51,7 +52,8 @@ SEND_WINDOW = 16  # sends kept in flight before the oldest is waited for
 class Messenger:
     """Asynchronous sends and receives of one stage, with a timeout on every wait.
 
-    Peers are named by their stage in this rank's pipeline replica; the layout maps them to ranks.
+    Peers are named by their stage in this rank's pipeline replica (or in the replica given); the
+    layout maps them to ranks.
 
     A send's tensor must stay alive until the send completes, and gloo reports completion only
     through ``wait()``; so at most ``SEND_WINDOW`` sends stay outstanding and beyond that the
@@ -65,9 +67,16 @@ class Messenger:
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.waited_s = 0.0  # time blocked on peers: the stage's idle time
 
-    def send(self, tensor: torch.Tensor, peer: int, channel: Channel, sequence: int) -> None:
+    def send(
+        self,
+        tensor: torch.Tensor,
+        peer: int,
+        channel: Channel,
+        sequence: int,
+        replica: int | None = None,
+    ) -> None:
         tensor = tensor.detach().contiguous()
-        rank = self.layout.rank_of(peer)
+        rank = self.layout.rank_of(peer, replica)
         self.sends.append((dist.isend(tensor, rank, tag=tag(channel, sequence)), tensor))
         if len(self.sends) > SEND_WINDOW:
             self._wait_sends(self.sends[:-SEND_WINDOW])
@@ -82,21 +91,23 @@ class Messenger:
         channel: Channel,
         sequence: int,
         what: str,
+        replica: int | None = None,
     ) -> PendingRecv:
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buffer, self.layout.rank_of(peer), tag=tag(channel, sequence))
-        return PendingRecv(buffer, work, peer, what)
+        work = dist.irecv(buffer, self.layout.rank_of(peer, replica), tag=tag(channel, sequence))
+        return PendingRecv(buffer, work, peer, replica, what)
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
         started = time.perf_counter()
+        peer = self.layout.name(pending.peer, pending.replica)
         try:
             pending.work.wait(self.timeout)
             if pending.buffer.is_cuda:  # make the wait cover the transfer, as on the CPU
                 torch.cuda.current_stream().synchronize()
         except RuntimeError as exc:
             raise self._failure(
-                f"waiting for {pending.what} from {self.layout.name(pending.peer)}",
-                pending.peer,
+                f"waiting for {pending.what} from {peer}",
+                peer,
                 time.perf_counter() - started,
                 exc,
             ) from None
@@ -104,10 +115,10 @@ class Messenger:
             self.waited_s += time.perf_counter() - started
         return pending.buffer
 
-    def _failure(self, doing: str, peer: int | None, waited: float, exc: Exception) -> PeerFailure:
-        """The error for a wait that failed: a timeout, or a peer that went away before it."""
+    def _failure(self, doing: str, peer: str | None, waited: float, exc: Exception) -> PeerFailure:
+        """The error for a wait that failed: a timeout, or a peer (named) that went away."""
         limit = self.timeout.total_seconds()
-        who = self.layout.name(peer) if peer is not None else "the receiving stage"
+        who = peer if peer is not None else "the receiving stage"
         me = self.layout.name()
         if waited < 0.9 * limit:  # the transport gave up early: the connection is gone
             return PeerFailure(

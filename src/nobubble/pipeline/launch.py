@@ -25,7 +25,7 @@ from nobubble.data import DataBundle, build_data
 from nobubble.data.errors import DataError
 from nobubble.data.tokenizer import tokenizer_from_json
 from nobubble.interrupt import stop_on_signals
-from nobubble.layout import ParallelLayout
+from nobubble.layout import ParallelLayout, replica_group
 from nobubble.model import model_config
 from nobubble.pipeline.process_group import (
     close_process_group,
@@ -50,9 +50,9 @@ def launched_by_torchrun() -> bool:
 
 
 def launch_layout(cfg: TrainConfig) -> ParallelLayout:
-    """This process's layout, from torchrun's environment (one pipeline replica for now)."""
+    """This process's layout, from torchrun's environment."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    return ParallelLayout.from_world(cfg.stages, 1, rank, world)
+    return ParallelLayout.from_world(cfg.stages, cfg.dp, rank, world)
 
 
 def check_launch(cfg: TrainConfig, layout: ParallelLayout) -> None:
@@ -169,13 +169,15 @@ def train_pipeline(
     open_process_group(backend, device, layout.rank, layout.world, cfg.p2p_timeout_s)
     auto_resume = auto_resume or restarted_by_torchrun()
     try:
+        replicas = replica_group(layout, device.type)
         setup = None
         try:  # the leader opens the run (a new one in its setup folder); every stage sets up
             setup = _from_leader(
-                layout, lambda: open_run(cfg, overwrite, resume, auto_resume, layout.world)
+                layout, lambda: open_run(cfg, overwrite, resume, auto_resume, layout.shards)
             )
             data, vocab, val_batches = build_stage_data(cfg, setup.work, layout)
-            engine = PipelineEngine(cfg, model_config(cfg, vocab), device, val_batches, layout)
+            mc = model_config(cfg, vocab)
+            engine = PipelineEngine(cfg, mc, device, val_batches, layout, replicas)
             before = restore_checkpoint(setup.checkpoint, engine, data)
             dist.barrier()  # every stage is ready: only now may the run folder change
             run = _from_leader(layout, setup.commit)
@@ -188,6 +190,7 @@ def train_pipeline(
         with stop_on_signals(announce=layout.is_leader) as stop:
             run_training(cfg, run, data, engine, before, stop)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
+        del engine, replicas  # what holds a process group keeps its backend alive past close
         return run.path
     finally:
         close_process_group()

@@ -19,6 +19,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from nobubble.config import TrainConfig
 from nobubble.train import resolve_device
@@ -73,14 +74,16 @@ def open_process_group(
 
 
 def close_process_group() -> bool:
-    """Destroy the process group; return whether its backend is really gone with it."""
-    group = dist.group.WORLD
-    name = dist.get_backend(group)
+    """Destroy the process group and its subgroups; return whether their backends are really
+    gone with them (nothing else still holds one)."""
+    groups = list(distributed_c10d._world.pg_map)  # the default group and every subgroup
+    name = dist.get_backend(dist.group.WORLD)
     dist.destroy_process_group()
-    held_elsewhere = sys.getrefcount(group) - 2  # minus `group` and getrefcount's argument
-    if held_elsewhere > 0:
+    # minus the reference in `groups`, the loop's and getrefcount's argument
+    held_elsewhere = [group for group in groups if sys.getrefcount(group) - 3 > 0]
+    if held_elsewhere:
         _OUTLIVED.append(name)
-    return held_elsewhere == 0
+    return not held_elsewhere
 
 
 def exit_code(code: int) -> int:

@@ -6,6 +6,10 @@ version its action names and every B with the same one (weight stashing through
 ``functional_call``, never an in-place swap); a STEP clips, steps the optimizer on the newest
 version and, when microbatches in flight still need it, first copies it (two versions under 2bw).
 
+With data parallelism the replicas of a stage average their gradient at every STEP
+(:mod:`nobubble.pipeline.replicas`); the rest of that STEP's update waits until an action needs the
+version it produces, so under 2bw the all-reduce runs behind the next step's compute.
+
 Versions follow :mod:`nobubble.delay` for the global step, so a run cut into segments (for
 evaluations and checkpoints) computes exactly what an uncut run computes; for a segment that
 starts the run the IR's own versions are checked against that rule before anything runs.
@@ -14,6 +18,7 @@ starts the run the IR's own versions are checked against that rule before anythi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -25,14 +30,16 @@ from torch.func import functional_call
 
 from nobubble.config import TrainConfig
 from nobubble.delay import gradient_version, stage_delays
-from nobubble.engine import StepStats, clip_stage, peak_memory_mb
+from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
 from nobubble.model import ModelConfig, Stage, lm_loss, partition
-from nobubble.optim import build_optimizer, lr_at, set_lr
+from nobubble.optim import build_optimizer
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
+from nobubble.pipeline.replicas import PendingReduction, ReplicaReduction, replica_rows
 from nobubble.schedules import Action, ActionKind, generate, lower
 from nobubble.simulated import autocast, versions_from_tensors
+from nobubble.update import optimizer_step, prepare_step, take_gradients
 from nobubble.versions import VersionStore
 
 RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
@@ -68,8 +75,10 @@ def segment_actions(
 
 
 class PipelineEngine:
-    """The stage ``layout.stage`` of a ``cfg.stages``-stage pipeline (torch.distributed must be
-    initialized). Peers are addressed by stage; the layout maps stages to ranks."""
+    """The stage ``layout.stage`` of replica ``layout.replica`` of a ``cfg.stages``-stage
+    pipeline (torch.distributed must be initialized). Peers are addressed by stage; the layout
+    maps stages to ranks. ``replicas``: the process group of this stage's data-parallel
+    replicas (None without data parallelism)."""
 
     def __init__(
         self,
@@ -78,6 +87,7 @@ class PipelineEngine:
         device: torch.device,
         val_batches: int,
         layout: ParallelLayout,
+        replicas: dist.ProcessGroup | None = None,
     ) -> None:
         self.cfg, self.device, self.layout = cfg, device, layout
         specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
@@ -89,14 +99,15 @@ class PipelineEngine:
         self.optimizer = build_optimizer(list(params.items()), cfg)
         self.delay = stage_delays(cfg.schedule, cfg.stages)[layout.stage]
         self.messenger = Messenger(layout, cfg.p2p_timeout_s)
-        self.hidden_shape = (cfg.microbatch_size(), cfg.seq_len, mc.d_model)
+        self.hidden_shape = (cfg.microbatch_size() // layout.dp, cfg.seq_len, mc.d_model)
+        self.reduction = ReplicaReduction(replicas, layout.dp) if layout.dp > 1 else None
         self.val_batches = val_batches
         self.eval_sequence = 0
         self.step = 0
         self.micro_per_step = 1 if cfg.schedule == "pipedream" else cfg.microbatches
         self.train_wall_s = self.train_idle_s = 0.0
         self.versions_peak = 1
-        self.peer_stop = False  # stage 0: a stage asked to stop in the last steps of a segment
+        self.peer_stop = False  # leader: a rank asked to stop in the last steps of a segment
 
     def barrier(self) -> None:
         dist.barrier()
@@ -112,11 +123,11 @@ class PipelineEngine:
     ) -> None:
         """Run this stage's actions for steps [self.step, stop), or fewer if a stop is requested.
 
-        Before its first action of a step, every stage learns from stage 0 whether the step runs
-        (stage 0 is the first to touch any step, so nobody waits for that answer). If it does
-        not, every stage drops the actions of that and later steps: what remains is exactly the
-        schedule of the shorter run, cool-down included. A stop requested on another stage
-        reaches stage 0 as that stage's vote (see ``_Segment.clear``).
+        Before its first action of a step, every rank learns from the leader (stage 0 of replica
+        0) whether the step runs (a first stage is the first to touch any step, so nobody waits
+        long for that answer). If it does not, every rank drops the actions of that and later
+        steps: what remains is exactly the schedule of the shorter run, cool-down included. A stop
+        requested on another rank reaches the leader as that rank's vote (see ``_Segment.clear``).
         """
         actions = segment_actions(self.cfg, self.layout.stage, self.step, stop, self.delay)
         run = _Segment(self, next_batch, on_step)
@@ -127,41 +138,51 @@ class PipelineEngine:
             if action.step > run.cleared and not run.clear(action.step, should_stop):
                 actions = actions[:index] + [a for a in actions[index:] if a.step < action.step]
                 continue
+            run.finish_update_before(action)
             run.post_receives(actions, index)
             run.execute(action)
             index += 1
+        run.finish_update()
         run.count_remaining_votes()
         self.messenger.drain()
         self.train_wall_s += time.perf_counter() - started
         self.train_idle_s += self.messenger.waited_s - waited
 
     def apply_step(self, step: int) -> tuple[float, bool, float]:
-        """The STEP action: gradient -> clip -> optimizer on the newest version."""
-        self.store.take_gradients(gradient_version(step, self.delay))
-        norm, ok = clip_stage(self.store.params.values(), self.cfg.grad_clip)
-        self.store.release_older_than(gradient_version(step + 1, self.delay))
-        self.store.begin_step(still_needed=self.delay > 0)
+        """The rest of the STEP action, once the gradient is complete (and averaged over the
+        replicas): clip -> optimizer on the newest version."""
+        norm, ok = prepare_step(self.store, step, self.delay, self.cfg.grad_clip)
         self.versions_peak = max(self.versions_peak, len(self.store.held()))
-        lr = lr_at(step, self.cfg)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = optimizer_step(self.optimizer, step, self.cfg)
         self.step = step + 1
         return norm, ok, lr
 
     def stage_reports(self) -> list[dict[str, float]] | None:
-        """Every stage's idle time and memory, gathered on the leader (a collective call)."""
+        """Every rank's idle time and memory, gathered on the leader (a collective call).
+
+        ``idle_s`` counts the time blocked on pipeline peers and, with data parallelism, on the
+        gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``).
+        """
         param_mb = sum(p.numel() * p.element_size() for p in self.store.params.values()) / 2**20
+        idle = self.train_idle_s + (self.reduction.waited_s if self.reduction else 0.0)
         report = {
             "stage": self.layout.stage,
+            "replica": self.layout.replica,
             "blocks": len(self.spec.blocks),
             "train_wall_s": self.train_wall_s,
-            "idle_s": self.train_idle_s,
-            "idle_fraction": self.train_idle_s / self.train_wall_s if self.train_wall_s else 0.0,
+            "idle_s": idle,
+            "idle_fraction": idle / self.train_wall_s if self.train_wall_s else 0.0,
             "peak_mem_mb": peak_memory_mb(self.device),
             "param_mb": param_mb,
             "weight_versions_peak": self.versions_peak,
+            "weights_sha256": weights_digest(self.store[self.store.newest]),
         }
+        if self.reduction:
+            report |= {
+                "allreduce_s": self.reduction.duration_s,
+                "allreduce_wait_s": self.reduction.waited_s,
+                "allreduce_mb": self.reduction.bytes / 2**20,
+            }
         reports = [None] * self.layout.world if self.layout.is_leader else None
         dist.gather_object(report, reports, dst=self.layout.leader)
         return reports
@@ -175,7 +196,7 @@ class PipelineEngine:
         """Forward the validation batches through the stages at the newest weights."""
         sums = EvalSums()
         chunks: list[torch.Tensor] = [
-            micro
+            replica_rows(micro, self.layout)
             for batch in batches
             for micro in batch.to(self.device).chunk(self.cfg.microbatches)
         ]
@@ -208,6 +229,11 @@ class PipelineEngine:
         return sums
 
     def _gather_to_first_stage(self, sums: EvalSums) -> EvalSums:
+        """The totals of every replica's share, on the first stage of every replica."""
+        if self.layout.is_last_stage and self.reduction:
+            totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
+            dist.all_reduce(totals, group=self.reduction.group)
+            sums = EvalSums.from_list(totals.tolist())
         if self.layout.pp == 1:
             return sums
         last = self.layout.pp - 1
@@ -245,6 +271,16 @@ class PipelineEngine:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the bytes of ``weights`` in name order: replicas (and tied copies) that hold
+    bitwise the same weights have the same digest."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class _Segment:
     """The mutable state of one run of actions: stashes, pending receives, batches, losses."""
 
@@ -263,20 +299,25 @@ class _Segment:
         self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
-        self.votes: dict[int, list[PendingRecv]] = {}  # stage 0: the other stages' stop votes
+        self.votes: dict[int, list[PendingRecv]] = {}  # leader: the other ranks' stop votes
+        self.pending: PendingReduction | None = None  # a STEP waiting for its all-reduce
 
     def clear(self, step: int, should_stop: Callable[[], bool]) -> bool:
-        """Whether ``step`` runs: stage 0 decides and tells every other stage.
+        """Whether ``step`` runs: the leader decides and tells every other rank.
 
-        Every other stage first sends stage 0 its vote: whether a stop was requested there (a
-        signal may reach only some processes, e.g. one node of a multi-node job). Stage 0 reads
-        the votes of step ``step - (delay + 1)``, its own delay + 1 being how far it can run
-        ahead of the last stage; by the time it clears ``step`` every stage has voted on that
-        step, so reading the votes never waits in a running pipeline. A stop asked for on
-        another stage thus takes effect at most ``delay + 1`` steps later than on stage 0.
+        Every other rank first sends the leader its vote: whether a stop was requested there (a
+        signal may reach only some processes, e.g. one node of a multi-node job). The leader
+        reads the votes of step ``step - (delay + 1)``, its own delay + 1 being how far it can
+        run ahead of the last stage; in a running pipeline every rank of its replica has voted on
+        that step by then, and the replicas of the first stage, tied to the leader by their
+        all-reduce, at most a step's all-reduce later. A stop asked for on another rank thus
+        takes effect at most ``delay + 1`` steps later than on the leader.
         """
         e = self.e
-        if e.layout.is_first_stage:
+        others = [
+            e.layout.coordinates(rank) for rank in range(e.layout.world) if rank != e.layout.leader
+        ]
+        if e.layout.is_leader:
             go = not (should_stop() or e.peer_stop or self.stop_voted(step - e.delay - 1))
             e.peer_stop = False
             self.votes[step] = [
@@ -284,19 +325,20 @@ class _Segment:
                     (1,),
                     torch.float32,
                     e.device,
-                    peer,
+                    stage,
                     Channel.STOP_VOTE,
                     step,
                     f"the stop vote for step {step}",
+                    replica=replica,
                 )
-                for peer in range(1, e.layout.pp)
+                for stage, replica in others
             ]
             flag = torch.tensor([1.0 if go else 0.0], device=e.device)
-            for peer in range(1, e.layout.pp):
-                e.messenger.send(flag, peer, Channel.CONTROL, step)
+            for stage, replica in others:
+                e.messenger.send(flag, stage, Channel.CONTROL, step, replica=replica)
         else:
             vote = torch.tensor([1.0 if should_stop() else 0.0], device=e.device)
-            e.messenger.send(vote, 0, Channel.STOP_VOTE, step)
+            e.messenger.send(vote, 0, Channel.STOP_VOTE, step, replica=0)
             go = bool(
                 e.messenger.recv(
                     (1,),
@@ -306,6 +348,7 @@ class _Segment:
                     Channel.CONTROL,
                     step,
                     f"the go-ahead for step {step}",
+                    replica=0,
                 ).item()
             )
         if go:
@@ -313,12 +356,13 @@ class _Segment:
         return go
 
     def stop_voted(self, step: int) -> bool:
-        """Stage 0: whether any other stage asked to stop when it cleared ``step``."""
+        """The leader: whether any other rank asked to stop when it cleared ``step``."""
         votes = [self.e.messenger.wait(vote).item() for vote in self.votes.pop(step, [])]
         return any(vote > 0 for vote in votes)  # every receive waited for, not just the first
 
     def count_remaining_votes(self) -> None:
-        """Stage 0, at the end of a segment: read the votes not read yet, keep a stop for later."""
+        """The leader, at the end of a segment: read the votes not read yet, keep a stop for
+        later."""
         for step in sorted(self.votes):
             self.e.peer_stop |= self.stop_voted(step)
 
@@ -349,7 +393,7 @@ class _Segment:
                 self.next_batch().to(self.e.device).chunk(self.e.micro_per_step)
             )
         index = action.microbatch - action.step * self.e.micro_per_step
-        rows = self.batches[action.step][index]
+        rows = replica_rows(self.batches[action.step][index], self.e.layout)
         if index == self.e.micro_per_step - 1:
             del self.batches[action.step]
         return rows
@@ -400,9 +444,36 @@ class _Segment:
             self.input_grads[action.microbatch] = x.grad
 
     def step(self, step: int) -> None:
+        """The STEP action: the gradient is complete; average it over the replicas (in the
+        background) or apply the update now."""
+        e = self.e
+        take_gradients(e.store, step, e.delay)
+        total = self.losses.pop(step, None)
+        if e.reduction is None:
+            self.apply(step, total)
+            return
+        loss = None if total is None else total.reshape(1)
+        self.pending = e.reduction.start(step, list(e.store.params.values()), loss)
+
+    def finish_update_before(self, action: Action) -> None:
+        """Finish a pending update before ``action`` if it needs the version the update makes
+        (or is the next STEP, which reuses the gradients' place)."""
+        if self.pending is None or action.kind not in (ActionKind.F, ActionKind.B, ActionKind.STEP):
+            return
+        if action.kind is ActionKind.STEP or action.version > self.pending.step:
+            self.finish_update()
+
+    def finish_update(self) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        total = self.e.reduction.finish(pending, list(self.e.store.params.values()))
+        self.apply(pending.step, total)
+
+    def apply(self, step: int, total: torch.Tensor | None) -> None:
+        """Clip, step the optimizer and report the step's statistics to the first stage."""
         e = self.e
         norm, ok, lr = e.apply_step(step)
-        total = self.losses.pop(step, None)
         loss = math.nan if total is None else total.item() / e.micro_per_step
         report = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
         if not e.layout.is_first_stage:

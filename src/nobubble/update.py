@@ -1,0 +1,77 @@
+"""The update a stage applies, once for every backend (simulator, pipeline, torch baseline).
+
+A step's update runs in three parts, so that a pipeline stage can reduce its gradient across data
+parallel replicas (or with a tied copy) between the first two while it computes something else:
+
+1. :func:`take_gradients`: the gradient of step ``t``, accumulated on the weight version it was
+   computed at, moves onto the optimizer's parameters.
+2. :func:`prepare_step`: clip (or drop a non-finite gradient, so the optimizer skips the stage),
+   release versions nobody will read again, and make the newest version the step's target
+   (copying it first if an in-flight microbatch still reads it).
+3. :func:`optimizer_step`: scheduled learning rate, optimizer step, gradients cleared.
+
+Policy (docs/training.md): each stage clips its own parameters' gradient (no reduction across
+stages, which would re-create the bubble under 2bw); a stage whose gradient norm is not finite
+skips its update; the training loop aborts after ``nonfinite_patience`` such steps in a row.
+Data-parallel replicas of a stage average their gradients before the clip, so clipping and the
+non-finite check see what one process with the whole batch would see.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from nobubble.config import TrainConfig
+from nobubble.delay import gradient_version
+from nobubble.optim import clip_grad_norm, lr_at, set_lr
+from nobubble.versions import VersionStore
+
+
+def take_gradients(store: VersionStore, step: int, delay: int) -> None:
+    """Move step ``step``'s gradient onto the optimizer's parameters of ``store``."""
+    store.take_gradients(gradient_version(step, delay))
+
+
+def prepare_step(
+    store: VersionStore, step: int, delay: int, grad_clip: float
+) -> tuple[float, bool]:
+    """Clip the stage's gradient and set up the versions for the optimizer step of ``step``.
+
+    Returns (gradient norm before clipping, whether the stage's update goes ahead).
+    """
+    norm, ok = clip_stage(store.params.values(), grad_clip)
+    store.release_older_than(gradient_version(step + 1, delay))
+    store.begin_step(still_needed=delay > 0)
+    return norm, ok
+
+
+def optimizer_step(optimizer: Any, step: int, cfg: TrainConfig) -> float:
+    """Step ``optimizer`` at the scheduled learning rate of ``step``; return that rate."""
+    lr = lr_at(step, cfg)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr
+
+
+def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, bool]:
+    """Clip one stage's gradients; drop them if non-finite so the optimizer skips the stage.
+
+    Returns (norm before clipping, whether the update goes ahead).
+    """
+    params = [p for p in params if p.grad is not None]
+    norm = clip_grad_norm(params, max_norm)
+    if math.isfinite(norm):
+        return norm, True
+    for p in params:
+        p.grad = None
+    return norm, False
+
+
+def combined_norm(norms: Iterable[float]) -> float:
+    """The norm of the whole model's gradient from its stages' norms."""
+    return math.sqrt(sum(n * n for n in norms))

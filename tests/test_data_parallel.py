@@ -1,0 +1,86 @@
+"""Data parallelism (torchrun, gloo): dp replicas of a P-stage pipeline against one process.
+
+Tolerance. A replica computes each microbatch's loss over its 1/dp of the rows and the replicas
+average their gradients, where one process takes the mean over all rows at once: the same sum in
+another order, so the gradient differs in the last bits (float32 relative rounding, ~1e-7) and
+those differences go through a few optimizer steps. With the SMALL model and six steps, losses
+agree to a relative 1e-5 and weights to an absolute 1e-5 (measured: about 6e-7; the bounds leave a
+factor of ten, and an off-by-one weight version or a replica reading the wrong rows moves the
+losses in the third decimal). Muon is looser: torch.optim.Muon orthogonalises the momentum in
+bfloat16, where a last-bit difference of the float32 input can round to a neighbouring bfloat16
+value (a relative 2^-8 of that element of the update); measured over six steps: losses within a
+relative 1e-5, weights within 3e-4, so the bounds are 1e-4 and 1e-3. What does not depend on
+summation order is bitwise: the replicas of a stage hold identical weights at the end (their
+all-reduced gradient is the same bytes).
+"""
+
+import json
+
+import pytest
+
+from nobubble.config import ConfigError, build_config
+from tests.pipeline_helpers import final_weights, losses, nobubble
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = {"adamw": (1e-5, 1e-5), "muon": (1e-4, 1e-3)}  # (losses: relative, weights: absolute)
+
+
+def assert_close_runs(a, b, optim: str) -> None:
+    loss_rtol, weight_atol = TOLERANCE[optim]
+    (train_a, val_a), (train_b, val_b) = losses(a), losses(b)
+    assert train_a == pytest.approx(train_b, rel=loss_rtol)
+    assert val_a == pytest.approx(val_b, rel=loss_rtol)
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        gap = (wa[name] - wb[name]).abs().max().item()
+        assert gap <= weight_atol, f"{name} differs by {gap}"
+
+
+def stage_reports(run) -> list[dict]:
+    return json.loads((run / "summary.json").read_text())["stages"]
+
+
+CASES = [
+    # (stages, schedule, microbatches, extra settings)
+    (2, "sync", 2, ["optim=adamw"]),
+    (2, "sync", 2, ["optim=muon"]),
+    (2, "2bw", 2, ["optim=adamw"]),
+    (2, "2bw", 2, ["optim=adamw", "ef=true"]),
+    (2, "2bw", 2, ["optim=muon"]),
+    (2, "2bw", 2, ["optim=muon", "ef=true"]),
+    (2, "pipedream", 1, ["optim=adamw"]),
+    (1, "sync", 2, ["optim=adamw"]),  # plain data parallelism: one stage, two replicas
+]
+
+
+@pytest.mark.parametrize(("stages", "schedule", "micro", "extra"), CASES)
+def test_replicas_equal_one_process_with_the_same_global_batch(
+    tmp_path, stages, schedule, micro, extra
+):
+    settings = [f"schedule={schedule}", f"stages={stages}", f"microbatches={micro}", "steps=6"]
+    settings += ["eval_every=3", *extra]
+    nobubble(tmp_path / "dp", *settings, "dp=2", stages=stages * 2)
+    nobubble(tmp_path / "one", *settings)
+    optim = next(s for s in extra if s.startswith("optim=")).split("=")[1]
+    assert_close_runs(tmp_path / "dp", tmp_path / "one", optim)
+    reports = stage_reports(tmp_path / "dp")
+    assert sorted((r["stage"], r["replica"]) for r in reports) == [
+        (s, r) for s in range(stages) for r in range(2)
+    ]
+    for stage in range(stages):
+        digests = {r["weights_sha256"] for r in reports if r["stage"] == stage}
+        assert len(digests) == 1, f"the replicas of stage {stage} hold different weights"
+        assert all(r["allreduce_mb"] > 0 for r in reports)
+
+
+def test_batches_the_replicas_cannot_share_equally_are_refused():
+    with pytest.raises(ConfigError, match="multiple of microbatches x dp = 8"):
+        build_config({"batch_size": 12, "microbatches": 4, "dp": 2})
+
+
+def test_a_launch_of_the_wrong_size_says_how_many_processes_to_start(tmp_path):
+    result = nobubble(tmp_path / "run", "stages=2", "dp=2", stages=2, check=False)
+    assert result.returncode != 0
+    assert "--nproc-per-node 4" in result.stderr
