@@ -15,11 +15,29 @@ all-reduced gradient is the same bytes).
 """
 
 import json
+import os
+import signal
+import subprocess
 
 import pytest
 
 from nobubble.config import ConfigError, build_config
-from tests.pipeline_helpers import final_weights, losses, nobubble
+from tests.pipeline_helpers import (
+    assert_same_run,
+    env,
+    final_weights,
+    losses,
+    nobubble,
+    train_command,
+)
+from tests.test_faults import (  # reap_process_groups: an autouse fixture, active here too
+    LONG,
+    launch,
+    reap_process_groups,  # noqa: F401
+    steps_logged,
+    wait_until,
+    workers_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +102,24 @@ def test_a_launch_of_the_wrong_size_says_how_many_processes_to_start(tmp_path):
     result = nobubble(tmp_path / "run", "stages=2", "dp=2", stages=2, check=False)
     assert result.returncode != 0
     assert "--nproc-per-node 4" in result.stderr
+
+
+def test_a_signal_to_one_rank_of_another_replica_stops_every_rank_and_resume_is_exact(tmp_path):
+    """SIGTERM to stage 1 of replica 1 alone (one node of a job preempted): its vote reaches the
+    leader, every rank stops after the same step, and the resumed run continues bitwise."""
+    settings = [*LONG, "schedule=2bw", "stages=2", "dp=2", "microbatches=2"]
+    proc = launch(tmp_path / "cut", *settings, stages=4)
+    wait_until(lambda: steps_logged(tmp_path / "cut") >= 25)
+    os.kill(workers_of(proc.pid)[3], signal.SIGTERM)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0, output
+    assert f"torchrun --nproc-per-node 4 -m nobubble train --resume {tmp_path / 'cut'}" in output
+    stopped = steps_logged(tmp_path / "cut")
+    assert stopped < 150
+    assert (tmp_path / "cut" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
+
+    resumed = train_command("--resume", str(tmp_path / "cut"), stages=4)
+    done = subprocess.run(resumed, capture_output=True, text=True, env=env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    nobubble(tmp_path / "full", *settings, stages=4)
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
