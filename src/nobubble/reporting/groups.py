@@ -23,6 +23,7 @@ PIPELINE_KEYS = (
     "ef",
     "ef_gamma",
     "stages",
+    "dp",
     "microbatches",
     "stage_layers",
     "embed_cost",
@@ -179,7 +180,7 @@ def find_baseline(group: Group, groups: Sequence[Group]) -> Group | None:
     key = group.without(*PIPELINE_KEYS)
     candidates = [g for g in groups if g.is_baseline and g.without(*PIPELINE_KEYS) == key]
     if len(candidates) > 1:
-        shape = ("stages", "microbatches", "stage_layers")
+        shape = ("stages", "dp", "microbatches", "stage_layers")
         candidates = [
             g for g in candidates if all(g.settings[k] == group.settings[k] for k in shape)
         ]
