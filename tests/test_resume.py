@@ -55,9 +55,11 @@ def test_checkpoints_are_kept_pruned_and_verified(tmp_path):
     manifest = verify_checkpoint(tmp_path / "r" / "checkpoints" / "step_000007")
     assert set(manifest["files"]) == {
         "shard_0/weights.safetensors",
-        "shard_0/state.pt",
+        "shard_0/state.safetensors",
+        "shard_0/state.json",
         "shard_0/meta.json",
     }
+    assert manifest["format"] == 2 and set(manifest["params"].values()) == {0}
 
 
 def test_2bw_checkpoint_holds_both_weight_versions(tmp_path):

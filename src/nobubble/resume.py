@@ -2,7 +2,10 @@
 
 A resumed run continues from the newest checkpoint whose checksums verify (older ones are the
 fallback when the newest is corrupt), with the saved configuration: only the fields in
-``SAFE_TO_CHANGE`` may differ, everything else would make the continuation a different run.
+``SAFE_TO_CHANGE`` may differ, everything else would make the continuation a different run. The
+parallel layout (``LAYOUT``: stages, their split, dp) may change where every parameter keeps its
+gradient delay, so that the checkpoint holds exactly the weight versions the new layout needs:
+checkpoints are keyed by parameter name and load into any layout, in either launcher.
 
 Opening checks everything it can up front and changes no file: the caller sets the run up in
 ``work``, then :meth:`commit` makes it the run (or :meth:`discard` undoes the setup). Nothing
@@ -20,12 +23,14 @@ from pathlib import Path
 
 from nobubble.checkpoint import (
     CheckpointError,
+    check_format,
     checkpoint_step,
     read_meta,
     sha256,
     verify_checkpoint,
 )
 from nobubble.config import FIELDS, ConfigError, TrainConfig, build_config
+from nobubble.delay import stage_delays
 from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, write_json_atomic
 
 SAFE_TO_CHANGE = frozenset(
@@ -35,6 +40,17 @@ SAFE_TO_CHANGE = frozenset(
         "nonfinite_patience", "device",
     }
 )  # fmt: skip
+
+# The parallel layout: may change on resume where each parameter keeps its gradient delay.
+LAYOUT = frozenset({"stages", "stage_layers", "embed_cost", "head_cost", "dp"})
+
+# Why a field cannot change, where the generic "it would be another run" says too little.
+WHY_NOT = {
+    "schedule": (
+        "the schedule fixes every stage's gradient delay, hence the weight versions the "
+        "checkpoint holds and how every later step is computed"
+    ),
+}
 
 
 class RunFinished(Exception):
@@ -69,12 +85,84 @@ def resumed_config(run_dir: Path, *layers: dict) -> TrainConfig:
 def check_compatible(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
     for key in FIELDS:
         old, new = getattr(saved, key), getattr(cfg, key)
-        if key not in SAFE_TO_CHANGE and old != new:
+        if key not in SAFE_TO_CHANGE | LAYOUT and old != new:
+            why = f" ({WHY_NOT[key]})" if key in WHY_NOT else ""
             raise ConfigError(
                 f"cannot continue {run_dir} with {key}={new!r}: the run was trained with "
-                f"{key}={old!r}, and {key} cannot change within a run. Start a new run (another "
-                f"--out) or keep {key}; only {', '.join(sorted(SAFE_TO_CHANGE))} may change"
+                f"{key}={old!r}, and {key} cannot change within a run{why}. Start a new run "
+                f"(another --out) or keep {key}; only {', '.join(sorted(SAFE_TO_CHANGE))} may "
+                f"change, and the layout ({', '.join(sorted(LAYOUT))}) where the schedule allows"
             )
+    check_layout_change(saved, cfg, run_dir)
+
+
+def _layout_changes(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
+    return [
+        f"{key}={getattr(cfg, key)!r} (was {getattr(saved, key)!r})"
+        for key in sorted(LAYOUT & set(FIELDS))
+        if getattr(saved, key) != getattr(cfg, key)
+    ]
+
+
+def unit_stages(cfg: TrainConfig) -> dict[str, int]:
+    """The stage of every part of the model (the embedding, each block, the head) under ``cfg``."""
+    from nobubble.model import model_config, partition
+
+    mc = model_config(cfg, tokenizer_vocab=1)  # the split does not depend on the vocabulary
+    owner: dict[str, int] = {}
+    for spec in partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers):
+        if spec.has_embed:
+            owner["the embedding"] = spec.index
+        owner.update({f"block {block}": spec.index for block in spec.blocks})
+        if spec.has_head:
+            owner["the head"] = spec.index
+    return owner
+
+
+def check_layout_change(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
+    """Refuse a new layout under which some parameter would train with another gradient delay:
+    the checkpoint holds the weight versions of the old delay, and the continuation would not be
+    what any uninterrupted run computes (pipedream: stage s of P has delay P-1-s)."""
+    changes = _layout_changes(saved, cfg)
+    if not changes:
+        return
+    old_stage, new_stage = unit_stages(saved), unit_stages(cfg)
+    split = ", ".join(
+        f"{key}={getattr(saved, key)!r}"
+        for key in ("stages", "stage_layers", "embed_cost", "head_cost")
+        if key == "stages" or getattr(saved, key) != getattr(cfg, key)
+    )
+    old_delay = stage_delays(saved.schedule, saved.stages)
+    new_delay = stage_delays(cfg.schedule, cfg.stages)
+    for unit, stage in old_stage.items():
+        before, after = old_delay[stage], new_delay[new_stage[unit]]
+        if before != after:
+            raise ConfigError(
+                f"cannot continue {run_dir} with {', '.join(changes)}: under {cfg.schedule} a "
+                f"stage's gradient delay depends on its place in the pipeline (stage s of P: "
+                f"P-1-s), so {unit} would move from delay {before} to {after}; the checkpoint "
+                f"holds the weight versions of delay {before}, and no uninterrupted run trains "
+                f"that way. Keep the run's stage split ({split}) to continue it"
+            )
+
+
+def split_change_note(saved: TrainConfig, cfg: TrainConfig, step: int) -> str | None:
+    """A warning for a new stage split under per-stage gradient clipping, else None."""
+    if cfg.grad_clip <= 0:
+        return None
+
+    def groups(owner: dict[str, int]) -> set[frozenset[str]]:
+        return {frozenset(u for u, s in owner.items() if s == stage) for stage in owner.values()}
+
+    if groups(unit_stages(saved)) == groups(unit_stages(cfg)):
+        return None
+    return (
+        f"gradients are clipped per stage (grad_clip={cfg.grad_clip}), so from step {step} on "
+        f"they are clipped over the {cfg.stages} new stages, not the {saved.stages} of the run "
+        "so far: the continuation is exactly what the new split computes from the checkpoint, "
+        "but not what the old split would have computed (set grad_clip=0 at the start of a run "
+        "for a clip-free run that can change its split without any difference)"
+    )
 
 
 def latest_valid_checkpoint(root: Path) -> tuple[Path, dict] | None:
@@ -112,14 +200,10 @@ def tokenizer_digest(run_dir: Path) -> str | None:
     return sha256(path) if path.is_file() else None
 
 
-def resume_command(run_dir: Path, shards: int) -> str:
-    """The command that continues ``run_dir`` from a checkpoint of ``shards`` shards."""
-    launcher = f"torchrun --nproc-per-node {shards} -m nobubble" if shards > 1 else "nobubble"
+def resume_command(run_dir: Path, processes: int) -> str:
+    """The command that continues ``run_dir`` with ``processes`` processes (its layout)."""
+    launcher = f"torchrun --nproc-per-node {processes} -m nobubble" if processes > 1 else "nobubble"
     return f"{launcher} train --resume {shlex.quote(str(run_dir))}"
-
-
-def _processes(count: int) -> str:
-    return f"the pipeline ({count} processes)" if count > 1 else "one process"
 
 
 @dataclass
@@ -141,8 +225,12 @@ class Resumption:
         """Nothing to undo."""
 
 
-def reopen(cfg: TrainConfig, path: Path, world: int) -> Resumption:
-    """Check that ``path`` holds this run and a checkpoint that ``world`` processes can load."""
+def reopen(cfg: TrainConfig, path: Path, shards: int = 1) -> Resumption:
+    """Check that ``path`` holds this run and a checkpoint it can continue from.
+
+    ``shards`` (the launch's) is not needed any more: a checkpoint of any number of shards loads
+    into any layout that ``cfg`` allows (:func:`check_layout_change`).
+    """
     check_compatible(build_config(saved_config(path)), cfg, path)
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(
@@ -170,12 +258,13 @@ def reopen(cfg: TrainConfig, path: Path, world: int) -> Resumption:
             f"{path} has trained {step} steps, more than steps={cfg.steps}; pass steps={step} "
             "or more"
         )
-    if manifest["shards"] != world:
-        raise CheckpointError(
-            f"{checkpoint} was saved by {_processes(manifest['shards'])} and this command runs "
-            f"{_processes(world)}; a checkpoint cannot move between the two yet (it is not keyed "
-            f"by parameter name). Continue it with: {resume_command(path, manifest['shards'])}"
-        )
+    check_format(checkpoint, manifest)
+    # config.json may already name a layout that no checkpoint was saved in yet
+    at_checkpoint = build_config(read_meta(checkpoint)["config"])
+    check_layout_change(at_checkpoint, cfg, path)
+    note = split_change_note(at_checkpoint, cfg, step)
+    if note:
+        warnings.warn(f"continuing {path} with another stage split: {note}", stacklevel=2)
     if read_meta(checkpoint).get("tokenizer_sha256") != tokenizer_digest(path):
         raise CheckpointError(
             f"{path / 'tokenizer.json'} is not the tokenizer {checkpoint} was trained with; "
@@ -189,14 +278,14 @@ def open_run(
     overwrite: bool = False,
     resume: bool = False,
     auto_resume: bool = False,
-    world: int = 1,
+    shards: int = 1,
 ) -> NewRun | Resumption:
     """Check up front and prepare the run to train, changing no file of an existing run.
 
     ``resume``: continue the run in ``cfg.out`` (it must have a valid checkpoint). ``auto_resume``:
-    the same if that folder holds anything, else start a new run there. ``world``: the processes
-    that will load the checkpoint (1, or the pipeline's stages). Raises :class:`RunFinished` when
-    the run has trained all ``cfg.steps`` steps.
+    the same if that folder holds anything, else start a new run there. ``shards``: the
+    checkpoint shards this launch writes (unused: any layout loads any checkpoint). Raises
+    :class:`RunFinished` when the run has trained all ``cfg.steps`` steps.
     """
     if auto_resume and not cfg.out:
         raise ConfigError(
@@ -205,5 +294,5 @@ def open_run(
         )
     path = run_path(cfg)
     if resume or (auto_resume and holds_files(path)):
-        return reopen(cfg, path, world)
+        return reopen(cfg, path, shards)
     return NewRun(cfg, path, overwrite)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from nobubble.checkpoint import CheckpointError
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats
@@ -23,6 +24,7 @@ from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
 from nobubble.model import ModelConfig, StageSpec, build_model, lm_loss, partition
 from nobubble.optim import build_optimizer
+from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.update import combined_norm, optimizer_step, prepare_step, take_gradients
 from nobubble.versions import VersionStore, Weights
 
@@ -111,13 +113,16 @@ class DelayedTrainer:
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict()}
+        """The step and the optimizer state by parameter name (any layout can load it)."""
+        return {"step": self.step, "optimizer": named_state(self.optimizer)}
 
     def restore(self, tensors: Weights, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: ``tensors`` as :meth:`checkpoint_tensors` (from any split
+        into stages), ``state`` as :meth:`checkpoint_state` (optimizer state by name)."""
         self.step = state["step"]
-        for store in self.stores:
-            store.load(versions_from_tensors(tensors, store.params))
-        self.optimizer.load_state_dict(state["optimizer"])
+        for store, delay in zip(self.stores, self.delays, strict=True):
+            store.load(versions_from_tensors(tensors, store.params, self.step, delay))
+        load_named_state(self.optimizer, state["optimizer"])
 
 
 class SimulatedEngine:
@@ -193,11 +198,24 @@ class SimulatedEngine:
         self.trainer.restore(tensors, state)
 
 
-def versions_from_tensors(tensors: Weights, params: dict[str, torch.Tensor]) -> dict[int, Weights]:
-    """Invert ``checkpoint_tensors`` for the parameters ``params``."""
+def versions_from_tensors(
+    tensors: Weights, params: dict[str, torch.Tensor], step: int, delay: int
+) -> dict[int, Weights]:
+    """Invert ``checkpoint_tensors`` for the parameters ``params`` of a stage with gradient delay
+    ``delay`` at ``step``: it must find exactly the versions max(step - delay, 0) .. step of
+    every parameter, those that the stage holds after ``step`` updates."""
     found: dict[int, Weights] = {}
     for key, tensor in tensors.items():
         version, name = key.split("/", 1)
         if name in params:
             found.setdefault(int(version[1:]), {})[name] = tensor
-    return found
+    needed = list(range(gradient_version(step, delay), step + 1))
+    for name in params:
+        held = sorted(v for v, weights in found.items() if name in weights)
+        if held != needed:
+            raise CheckpointError(
+                f"the checkpoint of step {step} holds weight versions {held} of {name}, and a "
+                f"stage with gradient delay {delay} needs versions {needed}: it was saved under "
+                "another schedule or stage split"
+            )
+    return {v: found[v] for v in needed}

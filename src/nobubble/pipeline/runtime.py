@@ -35,6 +35,7 @@ from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
 from nobubble.model import ModelConfig, Stage, lm_loss, partition
 from nobubble.optim import build_optimizer
+from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
 from nobubble.pipeline.replicas import PendingReduction, ReplicaReduction, replica_rows
 from nobubble.schedules import Action, ActionKind, generate, lower
@@ -263,12 +264,15 @@ class PipelineEngine:
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict()}
+        """The step and this stage's optimizer state by parameter name."""
+        return {"step": self.step, "optimizer": named_state(self.optimizer)}
 
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        """Continue from a checkpoint of any layout: ``tensors`` and ``state`` hold (at least)
+        this stage's parameters by name; other parameters are not looked at."""
         self.step = state["step"]
-        self.store.load(versions_from_tensors(tensors, self.store.params))
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.store.load(versions_from_tensors(tensors, self.store.params, self.step, self.delay))
+        load_named_state(self.optimizer, state["optimizer"], skip_unowned=True)
 
 
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:

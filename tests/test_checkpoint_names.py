@@ -1,0 +1,289 @@
+"""Checkpoints keyed by parameter name: optimizer state moves between partitions of the model
+(the simulator's one optimizer, any pipeline split), exactly; what cannot move is refused."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nobubble.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    publish,
+    read_meta,
+    sha256,
+    staging_dir,
+    write_shard,
+)
+from nobubble.cli import main
+from nobubble.config import build_config
+from nobubble.model import build_model, model_config, partition
+from nobubble.optim import OPTIMIZERS, build_optimizer
+from nobubble.optim.named_state import (
+    NamedState,
+    NamedStateError,
+    load_named_state,
+    named_state,
+)
+from nobubble.simulated import SimulatedEngine, stage_parameter_names
+from tests.pipeline_helpers import (
+    SMALL,
+    assert_same_run,
+    env,
+    nobubble,
+    snapshot,
+    train_command,
+)
+
+MODEL = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "seq_len": 32}
+SPLITS = {"whole": 1, "2 stages": 2, "3 stages": 3}
+
+
+def _cfg(optim: str, ef: bool):
+    return build_config({**MODEL, "optim": optim, "ef": ef, "lr": 1e-2})
+
+
+def _model(cfg):
+    return build_model(model_config(cfg, tokenizer_vocab=48), seed=0)
+
+
+def _optimizers(model, cfg, stages: int) -> list:
+    """One optimizer per stage of a ``stages``-way split, as the pipeline builds them."""
+    params = dict(model.named_parameters())
+    specs = partition(cfg.n_layers, stages)
+    return [
+        build_optimizer([(n, params[n]) for n in names], cfg)
+        for names in stage_parameter_names(list(params), specs)
+    ]
+
+
+def _step(model, optimizers, t: int) -> None:
+    """A deterministic, parameter-dependent gradient (the same for any split), then a step."""
+    for name, p in model.named_parameters():
+        p.grad = torch.sin(3.0 * p.detach() + t + len(name)) + 0.1 * p.detach()
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _save(model, optimizers, folder, step: int) -> None:
+    """A checkpoint with one shard per optimizer, as the training loop writes it."""
+    params = dict(model.named_parameters())
+    for index, opt in enumerate(optimizers):
+        state = named_state(opt)
+        names = [n for group in opt.param_groups for n in group["param_names"]]
+        weights = {f"v{step}/{n}": params[n] for n in names}
+        write_shard(staging_dir(folder, step), index, weights, step, state, torch.zeros(1), {})
+    publish(staging_dir(folder, step), folder / "ckpt", step, len(optimizers))
+
+
+def _load(model, optimizers, folder) -> None:
+    reader = CheckpointReader(folder / "ckpt")
+    for opt in optimizers:
+        names = [n for group in opt.param_groups for n in group["param_names"]]
+        load_named_state(opt, reader.optimizer(names))
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("ef", [False, True], ids=["plain", "ef"])
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+@pytest.mark.parametrize(("source", "target"), [("whole", "3 stages"), ("2 stages", "whole")])
+def test_optimizer_state_moves_to_another_partition_exactly(tmp_path, optim, ef, source, target):
+    cfg = _cfg(optim, ef)
+    model = _model(cfg)
+    optimizers = _optimizers(model, cfg, SPLITS[source])
+    for t in range(3):
+        _step(model, optimizers, t)
+    _save(model, optimizers, tmp_path, 3)
+
+    other = _model(cfg)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            p.copy_(dict(model.named_parameters())[name])
+    moved = _optimizers(other, cfg, SPLITS[target])
+    _load(other, moved, tmp_path)
+    for t in (3, 4):
+        _step(model, optimizers, t)
+        _step(other, moved, t)
+    want, got = _weights(model), _weights(other)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def test_a_missing_or_extra_parameter_is_a_clear_error(tmp_path):
+    cfg = _cfg("muon", True)
+    model = _model(cfg)
+    stages = _optimizers(model, cfg, 2)
+    _step(model, stages, 0)
+    first, second = named_state(stages[0]), named_state(stages[1])
+    whole = _optimizers(model, cfg, 1)[0]
+    with pytest.raises(NamedStateError, match=r"no entry for \d+ parameter"):
+        load_named_state(whole, first)
+    with pytest.raises(NamedStateError, match="does not hold"):
+        load_named_state(stages[0], NamedState.merge([first, second]))
+    load_named_state(stages[0], NamedState.merge([first, second]), skip_unowned=True)
+
+
+def test_a_state_of_another_optimizer_or_without_ef_is_refused():
+    model = _model(_cfg("adamw", False))
+    adamw = _optimizers(model, _cfg("adamw", False), 1)[0]
+    _step(model, [adamw], 0)
+    with pytest.raises(NamedStateError, match="optimized by AdamW, this optimizer uses Lion"):
+        load_named_state(_optimizers(model, _cfg("lion", False), 1)[0], named_state(adamw))
+    with pytest.raises(NamedStateError, match="saved without ef=true"):
+        load_named_state(_optimizers(model, _cfg("adamw", True), 1)[0], named_state(adamw))
+
+
+def test_group_state_that_disagrees_between_shards_is_refused():
+    """pytorch_optimizer keeps a step count per param group: merged groups must agree on it."""
+    cfg = _cfg("lion", False)
+    model = _model(cfg)
+    stages = _optimizers(model, cfg, 2)
+    _step(model, stages, 0)
+    _step(model, stages[:1], 1)  # stage 0 stepped twice, stage 1 once
+    merged = NamedState.merge([named_state(stages[0]), named_state(stages[1])])
+    with pytest.raises(NamedStateError, match="disagree on 'step'"):
+        load_named_state(_optimizers(model, cfg, 1)[0], merged)
+
+
+# -- whole runs in one process ----------------------------------------------------------------
+
+
+def train(out, *args: str) -> int:
+    return main(["train", "--no-progress", "--out", str(out), *SMALL, *args])
+
+
+def resume(run, *args: str) -> int:
+    return main(["train", "--no-progress", "--resume", str(run), *args])
+
+
+CONSTANT = ["lr_schedule=constant", "eval_every=3"]  # a run cut at 3 steps continues to 6
+
+
+def test_a_new_stage_split_continues_exactly_in_the_simulator(tmp_path):
+    """2bw: every stage holds versions t-1 and t, whatever the split. Without clipping (the only
+    per-stage rule) a 2-stage and a 4-stage run are the same run."""
+    common = [*CONSTANT, "schedule=2bw", "microbatches=4", "grad_clip=0", "optim=muon", "ef=true"]
+    assert train(tmp_path / "full", *common, "stages=4", "steps=6") == 0
+    assert train(tmp_path / "cut", *common, "stages=2", "steps=3") == 0
+    assert resume(tmp_path / "cut", "stages=4", "steps=6") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+    assert json.loads((tmp_path / "cut" / "config.json").read_text())["stages"] == 4
+
+
+def test_a_new_stage_split_with_clipping_warns_that_clipping_follows_the_stages(tmp_path):
+    common = [*CONSTANT, "schedule=2bw", "microbatches=4", "steps=3"]
+    assert train(tmp_path / "r", *common, "stages=2") == 0
+    with pytest.warns(UserWarning, match=r"clipped per stage .* over the 4 new stages"):
+        assert resume(tmp_path / "r", "stages=4", "steps=4") == 0
+
+
+def test_pipedream_across_a_changed_stage_split_is_refused(tmp_path, capsys):
+    assert train(tmp_path / "r", "schedule=pipedream", "stages=2", "steps=2") == 0
+    before = snapshot(tmp_path)
+    for change in (["stages=3"], ["stage_layers=[1,3]"]):
+        assert resume(tmp_path / "r", *change, "steps=3") == 2
+        err = capsys.readouterr().err
+        assert "under pipedream a stage's gradient delay depends on its place" in err
+        assert "Keep the run's stage split (stages=2" in err
+        assert "Traceback" not in err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_changed_schedule_is_refused_naming_why(tmp_path, capsys):
+    assert train(tmp_path / "r", "schedule=2bw", "steps=2") == 0
+    assert resume(tmp_path / "r", "schedule=sync", "steps=3") == 2
+    err = capsys.readouterr().err
+    assert "schedule cannot change within a run (the schedule fixes every stage's gradient" in err
+
+
+def _rewrite_as_format_1(run, step: int) -> None:
+    """Turn the checkpoint of ``step`` into what nobubble wrote before format 2: the optimizer's
+    position-keyed state dict pickled in state.pt, no index, no format in the manifest."""
+    folder = run / "checkpoints" / f"step_{step:06d}"
+    cfg = build_config(read_meta(folder)["config"])
+    reader = CheckpointReader(folder)
+    loaded = reader.load()
+    vocab = loaded.weights[f"v{step}/embed.weight"].shape[0]
+    engine = SimulatedEngine(cfg, model_config(cfg, vocab), torch.device("cpu"))
+    engine.restore(loaded.weights, {"step": loaded.step, "optimizer": loaded.optimizer})
+    shard = folder / "shard_0"
+    state = {"engine": {"step": step, "optimizer": engine.trainer.optimizer.state_dict()}}
+    torch.save({**state, "torch_rng": reader.rng(0)}, shard / "state.pt")
+    save_file(engine.checkpoint_tensors(), shard / "weights.safetensors")
+    (shard / "state.json").unlink()
+    (shard / "state.safetensors").unlink()
+    files = {f"shard_0/{p.name}": sha256(p) for p in sorted(shard.iterdir())}
+    manifest = {"step": step, "shards": 1, "files": files}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_format_1_checkpoint_still_resumes_exactly(tmp_path):
+    common = [*CONSTANT, "schedule=2bw", "microbatches=2", "optim=muon", "ef=true", "stages=2"]
+    assert train(tmp_path / "full", *common, "steps=6") == 0
+    assert train(tmp_path / "cut", *common, "steps=3") == 0
+    _rewrite_as_format_1(tmp_path / "cut", 3)
+    shard = tmp_path / "cut" / "checkpoints" / "step_000003" / "shard_0"
+    assert {p.name for p in shard.iterdir()} == {"meta.json", "state.pt", "weights.safetensors"}
+    assert resume(tmp_path / "cut", "steps=6") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path, capsys):
+    assert train(tmp_path / "r", "steps=2") == 0
+    folder = tmp_path / "r" / "checkpoints" / "step_000002"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "format": 99}))
+    assert resume(tmp_path / "r", "steps=3") == 2
+    assert "written by a newer nobubble; upgrade nobubble" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="format 99"):
+        CheckpointReader(folder)
+    shutil.rmtree(tmp_path / "r")
+
+
+# -- across launchers and stage counts (torchrun) -------------------------------------------------
+
+
+def launch(*args: str, stages: int) -> None:
+    command = train_command(*args, stages=stages)
+    done = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_continues_exactly_in_the_other_launcher(tmp_path):
+    """The simulator and the pipeline compute the same run (test_pipeline_parity.py), so a
+    pipeline checkpoint continued in one process, and the other way round, is that run."""
+    common = [*CONSTANT, "schedule=2bw", "microbatches=2", "stages=2", "optim=adamw", "ef=true"]
+    assert train(tmp_path / "full", *common, "steps=6") == 0
+
+    nobubble(tmp_path / "pipeline", *common, "steps=3", stages=2)
+    assert resume(tmp_path / "pipeline", "steps=6") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "pipeline")
+
+    assert train(tmp_path / "simulated", *common, "steps=3") == 0
+    launch("--resume", str(tmp_path / "simulated"), "steps=6", stages=2)
+    assert_same_run(tmp_path / "full", tmp_path / "simulated")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "optim", [["optim=adamw", "ef=true"], ["optim=muon"]], ids=["adamw+ef", "muon"]
+)
+def test_a_2bw_pipeline_checkpoint_continues_exactly_on_twice_the_stages(tmp_path, optim):
+    """2 stages -> 4 under torchrun equals the uninterrupted 4-stage run. The reference is the
+    simulator's 4-stage run, which test_pipeline_parity.py holds bitwise equal to the 4-stage
+    pipeline for these very settings; grad_clip=0 so that the 2-stage start is the same run."""
+    common = [*CONSTANT, "schedule=2bw", "microbatches=4", "grad_clip=0", *optim]
+    assert train(tmp_path / "full", *common, "stages=4", "steps=6") == 0
+    nobubble(tmp_path / "cut", *common, "stages=2", "steps=3", stages=2)
+    launch("--resume", str(tmp_path / "cut"), "stages=4", "steps=6", stages=4)
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+    newest = tmp_path / "cut" / "checkpoints" / "step_000006"
+    assert json.loads((newest / "manifest.json").read_text())["shards"] == 4
