@@ -37,6 +37,7 @@ from tests.pipeline_helpers import (
     snapshot,
     train_command,
 )
+from tests.test_data_parallel import assert_close_runs
 
 MODEL = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "seq_len": 32}
 SPLITS = {"whole": 1, "2 stages": 2, "3 stages": 3}
@@ -287,3 +288,16 @@ def test_a_2bw_pipeline_checkpoint_continues_exactly_on_twice_the_stages(tmp_pat
     assert_same_run(tmp_path / "full", tmp_path / "cut")
     newest = tmp_path / "cut" / "checkpoints" / "step_000006"
     assert json.loads((newest / "manifest.json").read_text())["shards"] == 4
+
+
+@pytest.mark.slow
+def test_a_checkpoint_continues_with_another_dp(tmp_path):
+    """One process -> two data-parallel replicas. dp changes the order of the gradient's sums
+    (the last bits), so the comparison is test_data_parallel.py's tolerance: a replica that
+    loaded the wrong state or data position would be off in the third decimal."""
+    common = [*CONSTANT, "schedule=sync", "microbatches=2", "optim=adamw"]
+    assert train(tmp_path / "full", *common, "steps=6") == 0
+    assert train(tmp_path / "cut", *common, "steps=3") == 0
+    launch("--resume", str(tmp_path / "cut"), "dp=2", "steps=6", stages=2)
+    assert json.loads((tmp_path / "cut" / "config.json").read_text())["dp"] == 2
+    assert_close_runs(tmp_path / "full", tmp_path / "cut", "adamw")
