@@ -225,11 +225,9 @@ class Resumption:
         """Nothing to undo."""
 
 
-def reopen(cfg: TrainConfig, path: Path, shards: int = 1) -> Resumption:
-    """Check that ``path`` holds this run and a checkpoint it can continue from.
-
-    ``shards`` (the launch's) is not needed any more: a checkpoint of any number of shards loads
-    into any layout that ``cfg`` allows (:func:`check_layout_change`).
+def reopen(cfg: TrainConfig, path: Path) -> Resumption:
+    """Check that ``path`` holds this run and a checkpoint it can continue from (a checkpoint of
+    any number of shards loads into any layout that ``cfg`` allows, :func:`check_layout_change`).
     """
     check_compatible(build_config(saved_config(path)), cfg, path)
     if not os.access(path, os.W_OK | os.X_OK):
@@ -278,21 +276,22 @@ def open_run(
     overwrite: bool = False,
     resume: bool = False,
     auto_resume: bool = False,
-    shards: int = 1,
 ) -> NewRun | Resumption:
     """Check up front and prepare the run to train, changing no file of an existing run.
 
     ``resume``: continue the run in ``cfg.out`` (it must have a valid checkpoint). ``auto_resume``:
-    the same if that folder holds anything, else start a new run there. ``shards``: the
-    checkpoint shards this launch writes (unused: any layout loads any checkpoint). Raises
+    the same if that folder holds anything, else start a new run there. Raises
     :class:`RunFinished` when the run has trained all ``cfg.steps`` steps.
+
+    Every path it returns is absolute: under torchrun the leader's answer goes to every rank, and
+    a rank on another node (another working directory) must find the same folder.
     """
     if auto_resume and not cfg.out:
         raise ConfigError(
             "--auto-resume needs --out: it continues the run in that folder (without --out "
             "every run gets a new one)"
         )
-    path = run_path(cfg)
+    path = Path(os.path.abspath(run_path(cfg)))
     if resume or (auto_resume and holds_files(path)):
-        return reopen(cfg, path, shards)
+        return reopen(cfg, path)
     return NewRun(cfg, path, overwrite)

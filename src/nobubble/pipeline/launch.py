@@ -172,9 +172,7 @@ def train_pipeline(
         replicas = replica_group(layout, device.type)
         setup = None
         try:  # the leader opens the run (a new one in its setup folder); every stage sets up
-            setup = _from_leader(
-                layout, lambda: open_run(cfg, overwrite, resume, auto_resume, layout.shards)
-            )
+            setup = _from_leader(layout, lambda: open_run(cfg, overwrite, resume, auto_resume))
             data, vocab, val_batches = build_stage_data(cfg, setup.work, layout)
             mc = model_config(cfg, vocab)
             engine = PipelineEngine(cfg, mc, device, val_batches, layout, replicas)
