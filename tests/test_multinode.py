@@ -1,7 +1,7 @@
 """Multi-node runs: two torchrun launchers on one host, joined by a c10d rendezvous.
 
 Each launcher plays a node: its own working directory and HOME, one process each, ``--nnodes 2``.
-They share one folder only, the one holding the run folder (``--out``, absolute), as nodes share
+They share one folder only, the one holding the run folder (``--out``), as nodes share
 a file system for checkpoints; data named by a relative path is a separate copy in each node's
 working directory. The run must equal the one-launcher run bit for bit, and the rank that is not
 the leader must get the tokenizer from the leader over torch.distributed, never from a file the
@@ -93,7 +93,8 @@ def launch_nodes(
     outputs = "\n".join(f"--- node {n}:\n{node['output']}" for n, node in enumerate(nodes))
     if check:
         assert all(node["returncode"] == 0 for node in nodes), f"a launcher failed:\n{outputs}"
-        assert f"run folder: {out}" in nodes[0]["output"], f"node 0 did not lead:\n{outputs}"
+        folder = out if out.is_absolute() else root / "node0" / out  # as the leader resolves it
+        assert f"run folder: {folder}" in nodes[0]["output"], f"node 0 did not lead:\n{outputs}"
     return nodes
 
 
@@ -104,10 +105,12 @@ def traced_paths(trace: Path) -> list[str]:
 
 
 def test_two_launchers_equal_one_launcher(tmp_path):
-    out = tmp_path / "shared" / "multinode"
-    launch_nodes(tmp_path, out, *RUN)
+    """With a relative --out: it names the folder in the leader's working directory, and node 1
+    (another working directory) must write its checkpoint shard there too."""
+    launch_nodes(tmp_path, Path("multinode"), *RUN)
     nobubble(tmp_path / "shared" / "standalone", *RUN[1:], stages=2)
-    assert_same_run(out, tmp_path / "shared" / "standalone")
+    assert_same_run(tmp_path / "node0" / "multinode", tmp_path / "shared" / "standalone")
+    assert not (tmp_path / "node1" / "multinode").exists()
 
 
 def test_the_leader_sends_its_bpe_tokenizer_and_no_other_rank_reads_its_files(tmp_path):
