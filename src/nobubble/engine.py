@@ -26,7 +26,7 @@ class Engine(Protocol):
     """A backend that trains: the single-process simulator or one rank of the pipeline."""
 
     step: int
-    layout: ParallelLayout  # this process's place: its checkpoint shard, whether it leads
+    layout: ParallelLayout  # this process's place: its stage, replica, shard, whether it leads
     device: torch.device
 
     def barrier(self) -> None:
@@ -44,12 +44,15 @@ class Engine(Protocol):
         """Validation totals at the newest weights (meaningful on the leader)."""
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Every weight version this process holds, by name (its shard, as safetensors)."""
+        """Every weight version this process holds, as ``v{version}/{parameter name}``."""
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything else needed to continue exactly (optimizer, EF buffer, step)."""
+        """Everything else needed to continue exactly: the step and the optimizer state (error
+        feedback included) by parameter name, so that any layout can load it."""
 
-    def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None: ...
+    def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        """Continue from a checkpoint written by any layout the config allows: ``tensors`` holds
+        (at least) this process's parameters, ``state`` as :meth:`checkpoint_state` wrote it."""
 
     def stage_reports(self) -> list[dict[str, float]] | None:
         """Per-stage idle time and memory of a pipeline, on the leader (collective); else None."""
