@@ -93,10 +93,18 @@ def test_tied_embeddings_share_one_tensor(tiny_mc):
     assert "head.weight" not in dict(model.named_parameters())
 
 
-def test_tied_embeddings_cannot_be_split_over_stages(tiny_mc):
+def test_split_tied_embeddings_put_a_copy_on_the_last_stage(tiny_mc):
+    """Split over stages, the last stage's head uses its own copy of the tied weight, under the
+    embedding's name and with its initial bytes."""
     mc = dataclasses.replace(tiny_mc, tie_embeddings=True)
-    with pytest.raises(ConfigError, match="tie_embeddings=false"):
-        Stage(mc, StageSpec(1, range(2, 4), False, True))
+    first = Stage(mc, StageSpec(0, range(0, 2), True, False))
+    last = Stage(mc, StageSpec(1, range(2, 4), False, True))
+    assert last.head.weight is last.embed.weight
+    assert "head.weight" not in dict(last.named_parameters())
+    assert torch.equal(last.embed.weight, first.embed.weight)
+    assert torch.equal(last.embed.weight, build_model(mc).embed.weight)
+    hidden = torch.randn(1, 8, mc.d_model)
+    assert last(hidden).shape == (1, 8, mc.vocab_size)  # hidden states in, not token ids
 
 
 def test_rope_preserves_norm_and_relative_positions():

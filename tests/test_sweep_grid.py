@@ -301,7 +301,10 @@ def launches(monkeypatch) -> list:
         ("stages = [9]", "stages=9: cannot split 4 blocks over 9 stages"),  # the model's shape
         ("n_heads = [3]", "n_heads=3: d_model (32) must be divisible by n_heads (3)"),
         ("lr = [nan]", "lr=nan: lr must be positive (> 0) and finite, got nan"),
-        ("tie_embeddings = [true]\nstages = [2]", "tie_embeddings=true,stages=2: the head is tied"),
+        (
+            'tie_embeddings = [true]\nstages = [2]\nschedule = ["pipedream"]',
+            "tie_embeddings=true,stages=2,schedule=pipedream: the head is tied",
+        ),
     ],
 )
 def test_a_bad_value_in_the_17th_run_stops_the_sweep_before_any_run(

@@ -378,8 +378,11 @@ def _check_model(cfg: TrainConfig) -> None:
 
     mc = model_config(cfg, tokenizer_vocab=1)
     partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
-    if mc.tie_embeddings and cfg.stages > 1:
+    if mc.tie_embeddings and cfg.stages > 1 and cfg.schedule == "pipedream":
         raise ConfigError(
-            f"the head is tied to the embedding (tie_embeddings), so both must live on one stage, "
-            f"but stages={cfg.stages}; set tie_embeddings=false to pipeline it over several stages"
+            f"the head is tied to the embedding (tie_embeddings), and pipedream trains the "
+            f"embedding (stage 0) with gradient delay {cfg.stages - 1} and the head (stage "
+            f"{cfg.stages - 1}) with delay 0, so the two uses of the one tied weight would need "
+            "different versions of it; set tie_embeddings=false, or use 2bw (delay 1 on every "
+            "stage) or a synchronous schedule"
         )

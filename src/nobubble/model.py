@@ -5,6 +5,12 @@ pipeline stage owns a contiguous slice of ``[embedding, block 0..L-1, norm+head]
 are the same in both cases (``embed.weight``, ``blocks.7.attn.wq.weight``, ``head.weight``), and
 initialization depends only on the seed and the parameter name, so a stage built alone holds
 exactly the tensors of its slice of the full model.
+
+Tied embeddings (``tie_embeddings``): in the full model the head uses the embedding's weight, one
+parameter named ``embed.weight``. Split over several stages, the first stage holds that weight
+for the embedding and the last stage holds a copy of it for its head, under the same name
+``embed.weight`` (see :data:`TIED_WEIGHT`), initialized to the same bytes; the backends keep the
+two copies bitwise equal (docs/pipeline.md, "Tied embeddings").
 """
 
 from __future__ import annotations
@@ -157,6 +163,10 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+TIED_WEIGHT = "embed.weight"  # the tied embedding/head weight, under this name in every layout
+TIED_HEAD_USE = "head.weight"  # where the full model's head reads it (a key of functional_call)
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """What one pipeline stage owns: the embedding?, a range of blocks, the norm+head?"""
@@ -167,27 +177,32 @@ class StageSpec:
     has_head: bool
 
 
+def holds_tied_copy(mc: ModelConfig, spec: StageSpec) -> bool:
+    """Whether this stage holds one of the two copies of a tied weight split over stages: the
+    first or the last stage of a pipeline of several stages (one stage holds it once)."""
+    return mc.tie_embeddings and spec.has_embed != spec.has_head
+
+
 class Stage(nn.Module):
     """A contiguous slice of the decoder; the full model is the stage that owns everything.
 
     Input: token ids (B, T) if the stage has the embedding, else hidden states (B, T, D).
     Output: logits (B, T, V) if the stage has the head, else hidden states.
+
+    With tied embeddings the head's weight is ``embed.weight``; on a last stage without the
+    embedding, ``embed`` holds only that copy (the stage never looks tokens up).
     """
 
     def __init__(self, mc: ModelConfig, spec: StageSpec, seed: int = 0) -> None:
         super().__init__()
         assert mc.vocab_size is not None, "resolve the vocabulary with model_config() first"
         self.mc, self.spec = mc, spec
-        self.embed = nn.Embedding(mc.vocab_size, mc.d_model) if spec.has_embed else None
+        holds_embedding = spec.has_embed or (mc.tie_embeddings and spec.has_head)
+        self.embed = nn.Embedding(mc.vocab_size, mc.d_model) if holds_embedding else None
         self.blocks = nn.ModuleDict({str(i): Block(mc) for i in spec.blocks})
         self.norm = RMSNorm(mc.d_model, mc.norm_eps) if spec.has_head else None
         self.head = nn.Linear(mc.d_model, mc.vocab_size, bias=False) if spec.has_head else None
         if mc.tie_embeddings and self.head is not None:
-            if self.embed is None:
-                raise ConfigError(
-                    "tied embeddings need the embedding and the head on the same stage; set "
-                    "tie_embeddings=false to pipeline this model over several stages"
-                )
             self.head.weight = self.embed.weight
         cos, sin = rope_tables(mc.head_dim, mc.max_seq_len, mc.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -195,7 +210,7 @@ class Stage(nn.Module):
         init_parameters(self, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
+        if self.spec.has_embed:
             x = self.embed(x)
         t = x.shape[1]
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]

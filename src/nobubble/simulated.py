@@ -5,6 +5,14 @@ and backward of every microbatch run with stage s at version max(t - d, 0) (thro
 ``torch.func.functional_call``, so nothing is swapped in place under autograd), the gradient is
 moved onto the optimizer's parameters, and the optimizer steps the newest version. With every
 delay 0 this is exactly a plain gradient-accumulation training loop.
+
+Tied embeddings over several stages compute what the pipeline computes: the first and the last
+stage each hold a copy of the tied weight (``embed.weight``), the embedding reads the first's and
+the head the last's (as separate leaves, so each accumulates its own gradient over the
+microbatches, as on the two stages), both copies receive the sum of the two gradients and are
+clipped by its norm alone (:mod:`nobubble.update`), and both take the same update: the optimizer
+steps the first stage's copy, the last stage's takes its value (the pipeline's last stage
+computes the same update from the same bytes). With one stage the weight is simply shared.
 """
 
 from __future__ import annotations
@@ -22,7 +30,15 @@ from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
-from nobubble.model import ModelConfig, StageSpec, build_model, lm_loss, partition
+from nobubble.model import (
+    TIED_HEAD_USE,
+    TIED_WEIGHT,
+    ModelConfig,
+    StageSpec,
+    build_model,
+    lm_loss,
+    partition,
+)
 from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.update import combined_norm, optimizer_step, prepare_step, take_gradients
@@ -61,6 +77,11 @@ class DelayedTrainer:
 
     ``micro_loss(weights, microbatch)`` returns the mean loss of one microbatch computed with
     ``weights``; the step's gradient is the mean over its microbatches.
+
+    ``tied = (name, use)``: the first and the last stage both hold a parameter ``name``, copies
+    of one tied weight; the optimizer holds the first stage's. ``micro_loss`` finds the last
+    stage's copy under ``use``. Both copies get the sum of their gradients and the same update
+    (see :mod:`nobubble.update`).
     """
 
     def __init__(
@@ -70,6 +91,7 @@ class DelayedTrainer:
         optimizer: Any,
         micro_loss: MicroLoss,
         cfg: TrainConfig,
+        tied: tuple[str, str] | None = None,
     ) -> None:
         self.stores = [VersionStore(params) for params in stage_params]
         self.delays, self.optimizer, self.micro_loss, self.cfg = (
@@ -78,30 +100,67 @@ class DelayedTrainer:
             micro_loss,
             cfg,
         )
+        if tied is not None and (len(self.stores) < 2 or len(set(self.delays)) > 1):
+            raise ValueError("tied copies need two stages or more, all with the same delay")
+        self.tied = tied
         self.step = 0
 
     def train_step(self, microbatches: Sequence[torch.Tensor]) -> StepStats:
         cfg, t = self.cfg, self.step
         used = [gradient_version(t, d) for d in self.delays]
         weights: Weights = {}
-        for store, version in zip(self.stores, used, strict=True):
-            weights.update(store[version])
+        for stage, (store, version) in enumerate(zip(self.stores, used, strict=True)):
+            weights.update(self._uses(stage, store[version]))
         total = 0.0
         for micro in microbatches:
             loss = self.micro_loss(weights, micro)
             (loss / len(microbatches)).backward()
             total += loss.item()
 
-        norms, skipped = [], []
         for stage, store in enumerate(self.stores):
             take_gradients(store, t, self.delays[stage])
-            norm, ok = prepare_step(store, t, self.delays[stage], cfg.grad_clip)
+        if self.tied:
+            self._sum_tied_gradients()
+        norms, skipped = [], []
+        for stage, store in enumerate(self.stores):
+            tied = self.tied[0] if self.tied and stage in (0, len(self.stores) - 1) else None
+            norm, ok = prepare_step(
+                store, t, self.delays[stage], cfg.grad_clip, tied, reports_tied=stage == 0
+            )
             norms.append(norm)
             if not ok:
                 skipped.append(stage)
         lr = optimizer_step(self.optimizer, t, cfg)
+        if self.tied:
+            self._copy_tied_update()
         self.step += 1
         return StepStats(t, total / len(microbatches), combined_norm(norms), lr, skipped)
+
+    def _uses(self, stage: int, weights: Weights) -> Weights:
+        """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""
+        if self.tied is None or stage != len(self.stores) - 1:
+            return weights
+        name, use = self.tied
+        return {use if key == name else key: tensor for key, tensor in weights.items()}
+
+    def _tied_copies(self) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        name = self.tied[0]
+        return self.stores[0].params[name], self.stores[-1].params[name]
+
+    def _sum_tied_gradients(self) -> None:
+        """Both copies get first + last (what the pipeline's all-reduce of the two gives)."""
+        first, last = self._tied_copies()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in (first, last)]
+        first.grad = grads[0] + grads[1]
+        last.grad = first.grad.clone()  # clipped on its own, like the last stage's
+
+    @torch.no_grad()
+    def _copy_tied_update(self) -> None:
+        """The last stage's copy takes the update the optimizer gave the first stage's (the
+        pipeline's last stage computes it itself, from the same bytes)."""
+        first, last = self._tied_copies()
+        last.data.copy_(first.data)
+        last.grad = None
 
     def checkpoint_tensors(self) -> Weights:
         """Every version held, as ``v{version}/{name}``."""
@@ -146,7 +205,13 @@ class SimulatedEngine:
             {n: params[n] for n in names} for names in stage_parameter_names(list(params), specs)
         ]
         optimizer = build_optimizer(list(params.items()), cfg)
-        self.trainer = DelayedTrainer(stage_params, delays, optimizer, self.micro_loss, cfg)
+        # tied over several stages: the last stage holds a copy for the head (module docstring)
+        self.split_tied = mc.tie_embeddings and cfg.stages > 1
+        tied = None
+        if self.split_tied:
+            stage_params[-1][TIED_WEIGHT] = torch.nn.Parameter(params[TIED_WEIGHT].detach().clone())
+            tied = (TIED_WEIGHT, TIED_HEAD_USE)
+        self.trainer = DelayedTrainer(stage_params, delays, optimizer, self.micro_loss, cfg, tied)
 
     @property
     def step(self) -> int:
@@ -160,7 +225,9 @@ class SimulatedEngine:
 
     def micro_loss(self, weights: Weights, micro: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.cfg.dtype):
-            logits = functional_call(self.model, weights, (micro[:, :-1],))
+            # split tied copies: the head reads its own copy, not the embedding's
+            tie = not self.split_tied
+            logits = functional_call(self.model, weights, (micro[:, :-1],), tie_weights=tie)
         return lm_loss(logits, micro[:, 1:])
 
     def run_steps(

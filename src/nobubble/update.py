@@ -15,6 +15,15 @@ stages, which would re-create the bubble under 2bw); a stage whose gradient norm
 skips its update; the training loop aborts after ``nonfinite_patience`` such steps in a row.
 Data-parallel replicas of a stage average their gradients before the clip, so clipping and the
 non-finite check see what one process with the whole batch would see.
+
+Tied embeddings split over stages (the first stage's embedding and the last stage's head share
+one weight, each stage holding a copy, see :mod:`nobubble.model`): the tied weight's gradient is
+the sum of both stages' gradients, the same bytes on both (the backend sums them before
+:func:`prepare_step`). It forms its own clipping group: it is clipped by its own norm, on both
+stages alike (identical bytes, identical factor), and each stage's other parameters are clipped
+as before; a non-finite tied gradient makes both copies skip, whatever the rest of either stage
+does. The first stage's reported norm includes the tied norm, the last stage's does not, so that
+:func:`combined_norm` over the stages counts it once.
 """
 
 from __future__ import annotations
@@ -37,13 +46,24 @@ def take_gradients(store: VersionStore, step: int, delay: int) -> None:
 
 
 def prepare_step(
-    store: VersionStore, step: int, delay: int, grad_clip: float
+    store: VersionStore,
+    step: int,
+    delay: int,
+    grad_clip: float,
+    tied: str | None = None,
+    reports_tied: bool = False,
 ) -> tuple[float, bool]:
     """Clip the stage's gradient and set up the versions for the optimizer step of ``step``.
 
-    Returns (gradient norm before clipping, whether the stage's update goes ahead).
+    ``tied``: the name of the tied weight if this stage holds one of its two copies (its gradient
+    already summed over both); ``reports_tied``: whether the returned norm includes it (the
+    first stage's does). Returns (gradient norm before clipping, whether the stage's update goes
+    ahead in full).
     """
-    norm, ok = clip_stage(store.params.values(), grad_clip)
+    if tied is None:
+        norm, ok = clip_stage(store.params.values(), grad_clip)
+    else:
+        norm, ok = clip_with_tied(store.params, tied, grad_clip, reports_tied)
     store.release_older_than(gradient_version(step + 1, delay))
     store.begin_step(still_needed=delay > 0)
     return norm, ok
@@ -70,6 +90,20 @@ def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[f
     for p in params:
         p.grad = None
     return norm, False
+
+
+def clip_with_tied(
+    params: dict[str, torch.nn.Parameter], tied: str, max_norm: float, reports_tied: bool
+) -> tuple[float, bool]:
+    """Clip a stage that holds a copy of the tied weight ``tied``: the tied weight by its own
+    norm, the other parameters together by theirs; either group is dropped if its norm is not
+    finite. Returns (the others' norm, combined with the tied norm if ``reports_tied``; whether
+    both groups go ahead)."""
+    norm, ok = clip_stage([p for name, p in params.items() if name != tied], max_norm)
+    tied_norm, tied_ok = clip_stage([params[tied]], max_norm)
+    if reports_tied:
+        norm = combined_norm([norm, tied_norm])
+    return norm, ok and tied_ok
 
 
 def combined_norm(norms: Iterable[float]) -> float:

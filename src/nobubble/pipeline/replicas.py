@@ -8,10 +8,17 @@ loss sum; the rest of the update waits until something needs the version the ste
 runs behind that compute; under a flushing schedule the next forward needs it at once and the
 reduction is on the critical path. Both are measured per stage: how long the reduction took
 (start to completion, reported by the backend) and how long the stage waited for it.
+
+On CUDA both are GPU times from CUDA events, not CPU clocks: NCCL's future completes once the
+all-reduce is queued, and the CPU runs ahead of the GPU, so a CPU clock would time the queue, not
+the transfer. The all-reduce's time runs from the point of the compute stream where it was
+started to its completion (a side stream that waits for it records the end); the wait is how long
+the compute stream stalled on it.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
+from nobubble.pipeline.comm import PeerFailure
 
 
 def replica_rows(rows: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
@@ -39,16 +47,31 @@ class PendingReduction:
     loss: torch.Tensor | None
     started: float
     done: list[float] = field(default_factory=list)  # completion time, set by the backend
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: start, completion
 
 
 class ReplicaReduction:
-    """Averages one stage's gradient (and loss) over its ``dp`` replicas in ``group``."""
+    """Sums a gradient (and loss) over ``group`` and divides by ``dp`` (for a stage's replicas:
+    their mean); a wait longer than ``timeout_s`` or a member that went away is a
+    :class:`PeerFailure` naming ``name`` (the rank that waited) and ``what`` it waited for."""
 
-    def __init__(self, group: dist.ProcessGroup, dp: int) -> None:
-        self.group, self.dp = group, dp
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        dp: int,
+        timeout_s: float = 1800.0,
+        name: str = "this stage",
+        what: str = "the gradient all-reduce with the other replicas of its stage",
+    ) -> None:
+        self.group, self.dp, self.name, self.what = group, dp, name, what
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self.duration_s = 0.0  # start to completion, summed over steps
         self.waited_s = 0.0  # the part of it the stage spent blocked
         self.bytes = 0  # gradient bytes this rank contributed to all-reduces
+        # the latest all-reduce's time and wait: at the end of a run the last one is waited for
+        # with no compute left to hide behind, which the benchmark leaves out of its figures
+        self.last_s, self.last_wait_s = 0.0, 0.0
+        self._side: torch.cuda.Stream | None = None  # CUDA: records the all-reduces' completion
 
     def start(
         self, step: int, params: list[torch.nn.Parameter], loss: torch.Tensor | None
@@ -56,12 +79,19 @@ class ReplicaReduction:
         """Start averaging the gradients of ``params`` (and ``loss``, a float64 sum)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         bucket = torch.cat([g.reshape(-1) for g in grads])
+        began = _recorded_event() if bucket.is_cuda else None
         started = time.perf_counter()
         works = [dist.all_reduce(bucket, group=self.group, async_op=True)]
         if loss is not None:
             works.append(dist.all_reduce(loss, group=self.group, async_op=True))
         pending = PendingReduction(step, works, bucket, loss, started)
-        works[0].get_future().then(lambda _: pending.done.append(time.perf_counter()))
+        if began is not None:
+            self._side = self._side or torch.cuda.Stream(bucket.device)
+            with torch.cuda.stream(self._side):
+                works[0].wait()  # NCCL: the side stream waits for the all-reduce, not the CPU
+                pending.events = (began, _recorded_event())
+        else:
+            works[0].get_future().then(lambda _: pending.done.append(time.perf_counter()))
         self.bytes += bucket.numel() * bucket.element_size()
         return pending
 
@@ -70,14 +100,30 @@ class ReplicaReduction:
     ) -> torch.Tensor | None:
         """Wait for ``pending``; put the averaged gradients on ``params``; return the loss sum
         averaged over the replicas (None on a stage without a loss)."""
+        stalled = _recorded_event() if pending.events else None
         started = time.perf_counter()
-        for work in pending.works:
-            work.wait()
-        if pending.bucket.is_cuda:
+        try:
+            for work in pending.works:
+                work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerFailure(
+                f"{self.name} stopped waiting for {self.what} (step {pending.step}): one of "
+                "them exited, crashed or is stuck (its own error, in its log or above, says "
+                f"why); raise p2p_timeout_s if it is only slow. Transport said: {exc}"
+            ) from None
+        if pending.events:
+            resumed = _recorded_event()
             torch.cuda.current_stream().synchronize()
-        finished = time.perf_counter()
-        self.waited_s += finished - started
-        self.duration_s += (pending.done[0] if pending.done else finished) - pending.started
+            began, ended = pending.events
+            ended.synchronize()
+            self.last_wait_s = stalled.elapsed_time(resumed) / 1e3
+            self.last_s = began.elapsed_time(ended) / 1e3
+        else:
+            finished = time.perf_counter()
+            self.last_wait_s = finished - started
+            self.last_s = (pending.done[0] if pending.done else finished) - pending.started
+        self.waited_s += self.last_wait_s
+        self.duration_s += self.last_s
         bucket = pending.bucket.div_(self.dp)
         offset = 0
         for param in params:
@@ -85,3 +131,10 @@ class ReplicaReduction:
             param.grad = bucket[offset : offset + count].view_as(param)
             offset += count
         return None if pending.loss is None else pending.loss.div_(self.dp)
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """A timing event recorded on the current CUDA stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

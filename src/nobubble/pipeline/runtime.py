@@ -10,6 +10,14 @@ With data parallelism the replicas of a stage average their gradient at every ST
 (:mod:`nobubble.pipeline.replicas`); the rest of that STEP's update waits until an action needs the
 version it produces, so under 2bw the all-reduce runs behind the next step's compute.
 
+Tied embeddings over several stages: the first and the last stage each hold a copy of the tied
+weight (:mod:`nobubble.model`). At its STEP each starts an all-reduce of the tied weight's
+gradient over the first and last stages of every replica (:func:`tied_group`; the sum of both
+stages' gradients, averaged over the replicas, the same bytes on every member), deferred like
+the data-parallel one, so both copies take the same update and stay bitwise equal. Under 2bw the
+last stage first needs the new version in its forwards of the step after next, which wait for
+the first stage's forwards of that step anyway: the all-reduce costs no bubble.
+
 Versions follow :mod:`nobubble.delay` for the global step, so a run cut into segments (for
 evaluations and checkpoints) computes exactly what an uncut run computes; for a segment that
 starts the run the IR's own versions are checked against that rule before anything runs.
@@ -33,7 +41,7 @@ from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
-from nobubble.model import ModelConfig, Stage, lm_loss, partition
+from nobubble.model import TIED_WEIGHT, ModelConfig, Stage, holds_tied_copy, lm_loss, partition
 from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
@@ -101,7 +109,26 @@ class PipelineEngine:
         self.delay = stage_delays(cfg.schedule, cfg.stages)[layout.stage]
         self.messenger = Messenger(layout, cfg.p2p_timeout_s)
         self.hidden_shape = (cfg.microbatch_size() // layout.dp, cfg.seq_len, mc.d_model)
-        self.reduction = ReplicaReduction(replicas, layout.dp) if layout.dp > 1 else None
+        self.reduction = (
+            ReplicaReduction(replicas, layout.dp, cfg.p2p_timeout_s, layout.name())
+            if layout.dp > 1
+            else None
+        )
+        # tied embeddings split over stages: this stage's copy, summed with the other's
+        self.tied_name = TIED_WEIGHT if holds_tied_copy(mc, self.spec) else None
+        group = tied_group(layout) if mc.tie_embeddings and layout.pp > 1 else None
+        self.tied = (  # sum over first + last, mean over replicas: the dp divisor
+            ReplicaReduction(
+                group,
+                layout.dp,
+                cfg.p2p_timeout_s,
+                layout.name(),
+                "the all-reduce of the tied weight with the other stages that hold a copy",
+            )
+            if self.tied_name
+            else None
+        )
+        self.reduced = [p for name, p in params.items() if name != self.tied_name]  # dp bucket
         self.val_batches = val_batches
         self.eval_sequence = 0
         self.step = 0
@@ -152,7 +179,9 @@ class PipelineEngine:
     def apply_step(self, step: int) -> tuple[float, bool, float]:
         """The rest of the STEP action, once the gradient is complete (and averaged over the
         replicas): clip -> optimizer on the newest version."""
-        norm, ok = prepare_step(self.store, step, self.delay, self.cfg.grad_clip)
+        norm, ok = prepare_step(
+            self.store, step, self.delay, self.cfg.grad_clip, self.tied_name, self.first
+        )
         self.versions_peak = max(self.versions_peak, len(self.store.held()))
         lr = optimizer_step(self.optimizer, step, self.cfg)
         self.step = step + 1
@@ -162,10 +191,12 @@ class PipelineEngine:
         """Every rank's idle time and memory, gathered on the leader (a collective call).
 
         ``idle_s`` counts the time blocked on pipeline peers and, with data parallelism, on the
-        gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``).
+        gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``), and on a stage that
+        holds a tied copy, on the tied all-reduce (``tied_allreduce_wait_s`` of
+        ``tied_allreduce_s``); ``tied_sha256`` is the digest of its copy's newest version.
         """
         param_mb = sum(p.numel() * p.element_size() for p in self.store.params.values()) / 2**20
-        idle = self.train_idle_s + (self.reduction.waited_s if self.reduction else 0.0)
+        idle = self.train_idle_s + sum(r.waited_s for r in (self.reduction, self.tied) if r)
         report = {
             "stage": self.layout.stage,
             "replica": self.layout.replica,
@@ -183,6 +214,15 @@ class PipelineEngine:
                 "allreduce_s": self.reduction.duration_s,
                 "allreduce_wait_s": self.reduction.waited_s,
                 "allreduce_mb": self.reduction.bytes / 2**20,
+                "allreduce_last_s": self.reduction.last_s,
+                "allreduce_last_wait_s": self.reduction.last_wait_s,
+            }
+        if self.tied:
+            newest = self.store[self.store.newest]
+            report |= {
+                "tied_sha256": weights_digest({self.tied_name: newest[self.tied_name]}),
+                "tied_allreduce_s": self.tied.duration_s,
+                "tied_allreduce_wait_s": self.tied.waited_s,
             }
         reports = [None] * self.layout.world if self.layout.is_leader else None
         dist.gather_object(report, reports, dst=self.layout.leader)
@@ -275,6 +315,19 @@ class PipelineEngine:
         load_named_state(self.optimizer, state["optimizer"], skip_unowned=True)
 
 
+def tied_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
+    """The process group of the first and the last stage of every replica, which hold the two
+    copies of a tied weight; None on the other ranks. Every rank must call it (in the same order
+    relative to other groups), as ``dist.new_group`` requires."""
+    ranks = sorted(
+        layout.rank_of(stage, replica)
+        for replica in range(layout.dp)
+        for stage in (0, layout.pp - 1)
+    )
+    group = dist.new_group(ranks)
+    return group if layout.is_first_stage or layout.is_last_stage else None
+
+
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     """SHA-256 of the bytes of ``weights`` in name order: replicas (and tied copies) that hold
     bitwise the same weights have the same digest."""
@@ -283,6 +336,16 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(weights[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class _PendingUpdate:
+    """A STEP whose update waits for its all-reduces (data-parallel, tied or both)."""
+
+    step: int
+    total: torch.Tensor | None  # this rank's loss sum (the last stage), before any all-reduce
+    replicas: PendingReduction | None
+    tied: PendingReduction | None
 
 
 class _Segment:
@@ -304,7 +367,7 @@ class _Segment:
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
         self.votes: dict[int, list[PendingRecv]] = {}  # leader: the other ranks' stop votes
-        self.pending: PendingReduction | None = None  # a STEP waiting for its all-reduce
+        self.pending: _PendingUpdate | None = None  # a STEP waiting for its all-reduces
 
     def clear(self, step: int, should_stop: Callable[[], bool]) -> bool:
         """Whether ``step`` runs: the leader decides and tells every other rank.
@@ -448,16 +511,21 @@ class _Segment:
             self.input_grads[action.microbatch] = x.grad
 
     def step(self, step: int) -> None:
-        """The STEP action: the gradient is complete; average it over the replicas (in the
-        background) or apply the update now."""
+        """The STEP action: the gradient is complete; average it over the replicas and sum the
+        tied weight's with the other stage's (in the background), or apply the update now."""
         e = self.e
         take_gradients(e.store, step, e.delay)
         total = self.losses.pop(step, None)
-        if e.reduction is None:
+        if e.reduction is None and e.tied is None:
             self.apply(step, total)
             return
-        loss = None if total is None else total.reshape(1)
-        self.pending = e.reduction.start(step, list(e.store.params.values()), loss)
+        # the same order of collectives on every rank: tied first (it spans both groups' ranks)
+        tied = e.tied.start(step, [e.store.params[e.tied_name]], None) if e.tied else None
+        replicas = None
+        if e.reduction is not None:
+            loss = None if total is None else total.reshape(1)
+            replicas = e.reduction.start(step, e.reduced, loss)
+        self.pending = _PendingUpdate(step, total, replicas, tied)
 
     def finish_update_before(self, action: Action) -> None:
         """Finish a pending update before ``action`` if it needs the version the update makes
@@ -470,8 +538,12 @@ class _Segment:
     def finish_update(self) -> None:
         if self.pending is None:
             return
-        pending, self.pending = self.pending, None
-        total = self.e.reduction.finish(pending, list(self.e.store.params.values()))
+        e, pending, self.pending = self.e, self.pending, None
+        total = pending.total
+        if pending.replicas is not None:
+            total = e.reduction.finish(pending.replicas, e.reduced)
+        if pending.tied is not None:
+            e.tied.finish(pending.tied, [e.store.params[e.tied_name]])
         self.apply(pending.step, total)
 
     def apply(self, step: int, total: torch.Tensor | None) -> None:
