@@ -26,6 +26,11 @@ SMALL = [
     "lr=3e-3",
     "warmup_steps=2",
 ]
+# NOBUBBLE_TEST_DEVICE=cuda (or cpu) pins the device of every run that uses these settings;
+# unset, runs use device=auto (a GPU where one is visible). scripts/gpu_check.sh sets it to cuda
+# so that a missing GPU fails instead of falling back to the CPU.
+if os.environ.get("NOBUBBLE_TEST_DEVICE"):
+    SMALL.append(f"device={os.environ['NOBUBBLE_TEST_DEVICE']}")
 
 
 def env() -> dict[str, str]:

@@ -7,6 +7,7 @@ complete figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -16,12 +17,26 @@ import torch
 
 from nobubble import cli
 from nobubble.bench import add_arguments, run
-from nobubble.bench.cli import common_settings, resolve, selected_variants
+from nobubble.bench.cli import common_settings, oversubscribed, resolve, selected_variants
 from nobubble.bench.load import ForeignLoad
-from nobubble.bench.measure import RunResult, StageResult, simulated_bubble, steady_tokens_per_s
-from nobubble.bench.report import markdown, memory_extra, paired_ratio, summarize, targets
+from nobubble.bench.measure import (
+    RunResult,
+    StageResult,
+    ring_traffic_mb,
+    simulated_bubble,
+    stage_results,
+    steady_tokens_per_s,
+)
+from nobubble.bench.report import (
+    dp_markdown,
+    markdown,
+    memory_extra,
+    paired_ratio,
+    summarize,
+    targets,
+)
 from nobubble.bench.torch_worker import P2PWaitClock, torch_schedules
-from nobubble.bench.variants import VARIANTS, Shape
+from nobubble.bench.variants import VARIANTS, Shape, command
 from nobubble.config import ConfigError, TrainConfig
 
 
@@ -108,6 +123,100 @@ def test_targets_and_table_from_paired_repeats():
         assert f"| {name} |" in table
 
 
+# -- data parallelism ------------------------------------------------------------------------
+
+
+def rank_report(stage: int, replica: int, took: float, waited: float, idle: float) -> dict:
+    """A summary.json ``stages`` entry of a dp run (4 steps)."""
+    return {
+        "stage": stage, "replica": replica, "train_wall_s": 10.0, "idle_s": idle,
+        "idle_fraction": idle / 10.0, "peak_mem_mb": 500.0 + replica, "param_mb": 6.0,
+        "weight_versions_peak": 2, "allreduce_s": took, "allreduce_wait_s": waited,
+        "allreduce_mb": 4 * 6.0,
+    }  # fmt: skip
+
+
+def dp_run(tokens_per_s: float, hidden_waits: tuple[float, float]) -> RunResult:
+    """Two stages of two replicas, 4 steps; stage s waited ``hidden_waits[s]`` of 1 s."""
+    reports = [
+        rank_report(stage, replica, 1.0, hidden_waits[stage], 1.0)
+        for stage in range(2)
+        for replica in range(2)
+    ]
+    return dataclasses.replace(
+        fake_run(tokens_per_s, (500, 480)), stages=stage_results(reports, 4), dp=2, steps=4
+    )
+
+
+def test_a_dp_run_is_read_per_stage_over_its_replicas():
+    reports = [
+        rank_report(0, 0, took=0.4, waited=0.0, idle=1.0),
+        rank_report(0, 1, took=0.2, waited=0.1, idle=2.0),
+        rank_report(1, 0, took=0.3, waited=0.3, idle=0.5),
+        rank_report(1, 1, took=0.1, waited=0.1, idle=0.5),
+    ]
+    first, last = stage_results(reports, steps=4)
+    assert first.replicas == last.replicas == 2
+    assert first.allreduce_s == pytest.approx(0.6 / 8)  # per step and rank
+    assert first.allreduce_wait_s == pytest.approx(0.1 / 8)
+    assert first.hidden_fraction == pytest.approx(1 - 0.1 / 0.6)  # summed wait / summed time
+    assert last.hidden_fraction == pytest.approx(0.0)  # waited for all of it
+    assert first.allreduce_mb == pytest.approx(6.0)  # one gradient copy a step
+    assert first.peer_wait_s == pytest.approx((1.0 + 1.9) / 8)  # idle less the all-reduce wait
+    assert first.idle_fraction == pytest.approx(0.15) and first.peak_mem_mb == 501.0
+    assert ring_traffic_mb(6.0, 2) == pytest.approx(6.0)
+    assert ring_traffic_mb(6.0, 4) == pytest.approx(9.0)
+    assert first.hidden_fraction_run == first.hidden_fraction  # no last all-reduce reported
+    single = {k: v for k, v in reports[0].items() if not k.startswith("allreduce")}
+    (alone,) = stage_results([single], steps=4)
+    assert alone.allreduce_s is None and alone.hidden_fraction is None
+
+
+def test_the_last_allreduce_of_a_run_is_left_out_but_reported():
+    """2bw: three all-reduces of 0.3 s hidden, the last (0.1 s) waited for at the end."""
+    reports = [
+        rank_report(0, replica, took=1.0, waited=0.1, idle=0.5)
+        | {"allreduce_last_s": 0.1, "allreduce_last_wait_s": 0.1}
+        for replica in range(2)
+    ]
+    (stage,) = stage_results(reports, steps=4)
+    assert stage.allreduce_s == pytest.approx(0.3) and stage.allreduce_wait_s == 0.0
+    assert stage.hidden_fraction == pytest.approx(1.0)
+    assert stage.hidden_fraction_run == pytest.approx(0.9)
+
+
+def test_a_dp_shape_launches_stages_times_dp_processes(tmp_path):
+    shape = Shape(stages=2, microbatches=4, steps=10, batch_size=16, dp=2)
+    assert shape.processes == 4
+    assert "dp=2" in shape.settings(VARIANTS["2bw"])
+    assert "dp=2" in shape.settings(VARIANTS["pipedream"])
+    assert "--nproc-per-node=4" in command(VARIANTS["2bw"], shape.processes, tmp_path, [])
+    with pytest.raises(ConfigError, match="dp"):
+        common_settings(parse("dp=2"))  # --dp, not a setting
+
+
+def test_the_allreduce_target_is_judged_with_m_at_least_2p_and_reported_below():
+    results = {"1f1b": [dp_run(100, (1.0, 1.0))], "2bw": [dp_run(110, (0.05, 0.2))]}
+    (met,) = [t for t in targets(results, None, stages=2, microbatches=4) if "hidden" in t.claim]
+    assert met.measured == "95.0% / 80.0%" and met.met is False  # stage 1 hides 80% < 90%
+    (low,) = [t for t in targets(results, None, stages=2, microbatches=2) if "hidden" in t.claim]
+    assert low.met is None and "M = 2 < 2P = 4" in low.required
+    table = dp_markdown([summarize(name, results, None) for name in results])
+    assert "| 1f1b | 250.0 / 250.0 | 250.0 / 250.0 | 0.0% / 0.0% | 0.0% / 0.0% | 0.0 /" in table
+    assert "| 2bw | 250.0 / 250.0 | 12.5 / 50.0 | 95.0% / 80.0% | 95.0% / 80.0% |" in table
+    assert dp_markdown([summarize("1f1b", {"1f1b": [fake_run(1, (1, 1))]}, None)]) == ""
+
+
+def test_speed_targets_are_not_judged_on_an_oversubscribed_cpu(capsys):
+    results = {"1f1b": [fake_run(100, (500, 480))], "2bw": [fake_run(90, (508, 488), 2)]}
+    (speed, _) = targets(results, None, 2, 4, unjudged="4 processes on 2 CPU cores")
+    assert speed.met is None and "not judged: 4 processes on 2 CPU cores" in speed.required
+    assert "| not judged |" in markdown([], [speed])
+    crowded = oversubscribed(parse("--dp", "64"))
+    assert crowded is not None and crowded.startswith("128 processes on ")
+    assert oversubscribed(parse("--dp", "64", "--device", "cuda")) is None
+
+
 def test_p2p_wait_clock_times_torch_waits_and_restores_them():
     original = torch_schedules._wait_batch_p2p
     with P2PWaitClock() as clock:
@@ -157,6 +266,42 @@ def test_memory_pass_reports_tensor_memory(tmp_path, capsys):
         assert all(mb > 0 for mb in summary["tensor_mem_mb"])
     claims = [t["claim"] for t in report["targets"]]
     assert claims == ["2bw vs our 1f1b", "2bw peak memory above 1f1b, per stage"]
+
+
+@pytest.mark.slow
+def test_quick_bench_with_data_parallelism_reports_the_allreduce(tmp_path, capsys):
+    """`--dp 2`: 4 processes a run. Only what holds by construction is checked: each all-reduce
+    carries one gradient copy, times are non-negative, the hidden share at most 1; never a
+    timing ratio."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "--dp", "2", "--schedules", "1f1b,2bw,torch-1f1b",
+            "--json", str(out), "p2p_timeout_s=60"]  # fmt: skip
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert "dp=2 (4 processes)" in table and "| exposed wait ms/step | hidden |" in table
+    summaries = {s["name"]: s for s in report["summary"]}
+    assert set(summaries) == {"1f1b", "2bw", "torch-1f1b"}
+    for name, summary in summaries.items():
+        assert f"| {name} |" in table
+        assert summary["dp"] == 2 and summary["tokens_per_s"] > 0
+        assert summary["allreduce_mb"] == pytest.approx(summary["param_mb"], rel=1e-9)
+        assert all(ms >= 0 for ms in summary["allreduce_ms"] + summary["allreduce_wait_ms"])
+        assert all(h <= 1 for h in summary["hidden"] + summary["hidden_run"])
+        assert all(0 <= idle < 1 for idle in summary["idle"])
+        (run,) = report["runs"][name]
+        assert sorted((r["stage"], r["replica"]) for r in run["ranks"]) == [
+            (0, 0), (0, 1), (1, 0), (1, 1)
+        ]  # fmt: skip
+    # the torch baseline reads the same rows of every microbatch and averages the same way
+    assert summaries["torch-1f1b"]["final_loss"] == pytest.approx(
+        summaries["1f1b"]["final_loss"], rel=1e-4
+    )
+    claims = {t["claim"]: t["met"] for t in report["targets"]}
+    assert "2bw: all-reduce time hidden (not waited for), per stage" in claims  # M = 4 >= 2P
+    if report["oversubscribed"]:
+        assert claims["our 1f1b vs torch Schedule1F1B"] is None
+        assert "Oversubscribed: 4 processes" in table
 
 
 # -- what can be known before the first run is refused before it, in one line -------------------
@@ -212,3 +357,6 @@ def test_cuda_without_a_gpu_is_refused_before_any_run(capsys, no_launch, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert "one GPU per stage" in refused(capsys, "--device", "cuda", "--stages", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    err = refused(capsys, "--device", "cuda", "--stages", "2", "--dp", "2")
+    assert "--stages 2 x --dp 2 needs 4 GPUs, this machine has 2" in err

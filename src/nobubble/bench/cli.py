@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 import nobubble
-from nobubble.bench.report import markdown, ordered, summarize, targets
+from nobubble.bench.report import dp_markdown, markdown, ordered, summarize, targets
 from nobubble.bench.runner import (
     BUSY_CORES,
     MEMORY_STEPS,
     BenchError,
+    bench_shape,
     run_memory_pass,
     run_timed,
 )
@@ -45,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages P (default: 2)")
     parser.add_argument(
         "--microbatches", type=int, default=4, help="microbatches M per step (default: 4)"
+    )
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel replicas of the pipeline: stages x dp processes, each replica reads "
+        "1/dp of every microbatch (default: 1)",
     )
     parser.add_argument("--steps", type=int, help="optimizer steps (default: 40)")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: 16)")
@@ -157,12 +165,41 @@ def machine() -> dict[str, Any]:
     }
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def oversubscribed(args: argparse.Namespace) -> str | None:
+    """Why throughput cannot be judged (more processes than CPU cores), or None."""
+    processes, cores = args.stages * args.dp, cpu_cores()
+    if args.device != "cpu" or processes <= cores:
+        return None
+    return f"{processes} processes on {cores} CPU cores"
+
+
+def oversubscription_note(reason: str) -> str:
+    return (
+        f"Oversubscribed: {reason}, each with gloo's all-reduce thread beside it. The processes "
+        "take turns on the cores, so tokens/s and its ratios are not those of as many devices: "
+        "the speed targets are reported, not judged. What holds: the bytes every all-reduce "
+        "carries (exact), and per stage how much of the all-reduce time the stage waited for "
+        "under each schedule (hidden vs exposed). The all-reduce time includes waiting for the "
+        "replica that reaches the step last, and its reduction competes for the same cores as "
+        "the compute it runs behind."
+    )
+
+
 def header(args: argparse.Namespace, info: dict[str, Any], log: list[dict]) -> str:
     """What was run, on what, and how disturbed the machine was."""
     others = [entry["foreign_cores"] for entry in log if entry["foreign_cores"] is not None]
     busiest = f"{max(others):.2f}" if others else "n/a"
+    dp = f" dp={args.dp} ({args.stages * args.dp} processes)" if args.dp > 1 else ""
     return (
-        f"P={args.stages} M={args.microbatches} steps={args.steps} batch={args.batch_size} "
+        f"P={args.stages}{dp} M={args.microbatches} steps={args.steps} batch={args.batch_size} "
         f"seq_len={args.seq_len} preset={args.preset} {' '.join(args.overrides)}\n"
         f"{args.device}: {info['gpu'] or info['cpu']} ×{info['cpus']}, torch {info['torch']}, "
         f"nobubble {info['nobubble']}; medians of {args.repeats} interleaved repeats; tokens/s "
@@ -171,16 +208,18 @@ def header(args: argparse.Namespace, info: dict[str, Any], log: list[dict]) -> s
     )
 
 
-def check_device(device: str, stages: int) -> None:
-    """On CUDA every stage takes its own GPU (NCCL refuses two ranks on one)."""
+def check_device(device: str, stages: int, dp: int = 1) -> None:
+    """On CUDA every process (a stage of a replica) takes its own GPU (NCCL refuses two ranks
+    on one)."""
     if device != "cuda":
         return
     if not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
-    gpus = torch.cuda.device_count()
-    if gpus < stages:
+    gpus, needed = torch.cuda.device_count(), stages * dp
+    if gpus < needed:
+        asked = f"--stages {stages}" if dp == 1 else f"--stages {stages} x --dp {dp}"
         raise ConfigError(
-            f"--device cuda runs one GPU per stage: --stages {stages} needs {stages} GPUs, "
+            f"--device cuda runs one GPU per stage and replica: {asked} needs {needed} GPUs, "
             f"this machine has {gpus}"
         )
 
@@ -190,10 +229,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         variants = selected_variants(args.schedules)
         common = common_settings(args)
-        shape = Shape(args.stages, args.microbatches, args.steps, args.batch_size)
+        shape: Shape = bench_shape(args)
         for variant in variants:  # every config error before the first launch
             build_config(parse_overrides([*common, *shape.settings(variant)]))
-        check_device(args.device, args.stages)
+        check_device(args.device, args.stages, args.dp)
         if args.json:
             check_output_file(args.json, "--json")
         if args.runs_dir:
@@ -208,15 +247,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"nobubble bench: error: {exc}", file=sys.stderr)
         return 2
     summaries = [summarize(name, results, memory) for name in results]
-    found = targets(results, memory, args.stages, args.microbatches)
+    crowded = oversubscribed(args)
+    found = targets(results, memory, args.stages, args.microbatches, crowded)
     info = machine()
     print(header(args, info, log) + "\n")
     print(markdown(summaries, found))
+    if args.dp > 1:
+        print(
+            f"\nData parallelism, dp={args.dp}: per optimizer step and rank, leaving out the "
+            "run's last all-reduce (waited for at the end, with nothing left to hide behind) "
+            "but in the second hidden column; per-stage cells list stage 0 first:\n"
+        )
+        print(dp_markdown(summaries))
+    if crowded:
+        print("\n" + oversubscription_note(crowded))
     if args.json:
         payload = {
             "argv": sys.argv,
             "args": {k: v for k, v in vars(args).items() if not callable(v)},  # not `func`
             "machine": info,
+            "oversubscribed": crowded,
             "runs": {name: [dataclasses.asdict(r) for r in runs] for name, runs in results.items()},
             "memory_pass": memory
             and {name: dataclasses.asdict(runs[0]) for name, runs in memory.items()},

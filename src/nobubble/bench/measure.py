@@ -1,12 +1,23 @@
 """Reading one benchmark run folder: steady-state throughput, per-stage idle time and memory,
-and the simulator's bubble for the same schedule beside the measured idle time."""
+the simulator's bubble for the same schedule beside the measured idle time, and with data
+parallelism each stage's gradient all-reduce: how long it took, how much of it the stage waited
+for, and how many bytes it carried.
+
+A run folder's ``summary.json`` has one ``stages`` entry per rank (stage s of replica r). The
+figures here are per stage: a replica's share of the stage's work is the same, so idle time and
+busy time are means over the replicas, memory the largest replica's, and the hidden fraction of
+the all-reduce is one minus the replicas' summed wait over their summed all-reduce time.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nobubble.config import TrainConfig, build_config
 from nobubble.schedules import generate, lower, simulate
@@ -19,6 +30,16 @@ class StageResult:
     peak_mem_mb: float  # ru_maxrss on the CPU, max_memory_allocated on CUDA
     param_mb: float  # one copy of the stage's weights
     weight_versions: int  # most weight copies held at once
+    # With data parallelism (else None), per optimizer step and rank, means over the replicas,
+    # leaving out the run's last all-reduce (waited for at the end, with no compute left to hide
+    # behind; where the run folder does not say which one was last, over every step):
+    allreduce_s: float | None = None  # start of the gradient all-reduce to its completion
+    allreduce_wait_s: float | None = None  # the part of it the stage spent blocked
+    hidden_fraction: float | None = None  # 1 - summed wait / summed all-reduce time
+    hidden_fraction_run: float | None = None  # the same over every step, the last one too
+    allreduce_mb: float | None = None  # gradient bytes a rank put into the all-reduce
+    peer_wait_s: float | None = None  # idle time on pipeline peers (not on all-reduces)
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -29,6 +50,9 @@ class RunResult:
     stages: list[StageResult]
     bubble_uniform: list[float]  # simulator, forward 1 and backward 2 on every stage
     bubble_timed: list[float] | None  # simulator, each stage's measured busy time (F:B = 1:2)
+    dp: int = 1
+    steps: int = 0  # optimizer steps of the run (M times the others' for pipedream)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # summary.json's entries, as is
 
 
 def step_times(rows: Sequence[dict]) -> list[tuple[int, float]]:
@@ -63,16 +87,60 @@ def simulated_bubble(cfg: TrainConfig, stage_costs: Sequence[float]) -> list[flo
     return simulate(actions, forward, backward).bubble_fraction
 
 
-def _stage_result(report: dict) -> StageResult:
-    idle = report["idle_fraction"]
-    busy = None if report["idle_s"] is None else report["train_wall_s"] - report["idle_s"]
-    return StageResult(
-        idle_fraction=idle,
-        busy_s=busy,
-        peak_mem_mb=report["peak_mem_mb"],
-        param_mb=report["param_mb"],
-        weight_versions=report["weight_versions_peak"],
+def _mean(values: Sequence[float | None]) -> float | None:
+    return None if any(v is None for v in values) else statistics.fmean(values)
+
+
+def _stage_result(replicas: list[dict], steps: int) -> StageResult:
+    """One stage's figures from the summary entries of its replicas (one without dp)."""
+    busy = [None if r["idle_s"] is None else r["train_wall_s"] - r["idle_s"] for r in replicas]
+    result = StageResult(
+        idle_fraction=_mean([r["idle_fraction"] for r in replicas]),
+        busy_s=_mean(busy),
+        peak_mem_mb=max(r["peak_mem_mb"] for r in replicas),
+        param_mb=replicas[0]["param_mb"],
+        weight_versions=max(r["weight_versions_peak"] for r in replicas),
+        replicas=len(replicas),
     )
+    if not all("allreduce_s" in r for r in replicas):
+        return result
+    took = sum(r["allreduce_s"] for r in replicas)
+    waited = sum(r["allreduce_wait_s"] for r in replicas)
+    per_step = len(replicas) * steps
+    steady_took, steady_waited, steady_steps = took, waited, per_step
+    if steps > 1 and all("allreduce_last_s" in r for r in replicas):
+        steady_took -= sum(r["allreduce_last_s"] for r in replicas)
+        steady_waited -= sum(r["allreduce_last_wait_s"] for r in replicas)
+        steady_steps -= len(replicas)
+    peers = [
+        None
+        if r["idle_s"] is None
+        else r["idle_s"] - r["allreduce_wait_s"] - r.get("tied_allreduce_wait_s", 0.0)
+        for r in replicas
+    ]
+    return dataclasses.replace(
+        result,
+        allreduce_s=steady_took / steady_steps,
+        allreduce_wait_s=steady_waited / steady_steps,
+        hidden_fraction=1 - steady_waited / steady_took if steady_took > 0 else None,
+        hidden_fraction_run=1 - waited / took if took > 0 else None,
+        allreduce_mb=sum(r["allreduce_mb"] for r in replicas) / per_step,
+        peer_wait_s=None if None in peers else sum(peers) / per_step,
+    )
+
+
+def stage_results(reports: Sequence[dict], steps: int) -> list[StageResult]:
+    """Per stage, in stage order, from ``summary.json``'s per-rank ``stages`` entries."""
+    by_stage: dict[int, list[dict]] = {}
+    for report in reports:
+        by_stage.setdefault(report["stage"], []).append(report)
+    return [_stage_result(by_stage[stage], steps) for stage in sorted(by_stage)]
+
+
+def ring_traffic_mb(bucket_mb: float, dp: int) -> float:
+    """What a ring all-reduce of ``bucket_mb`` over ``dp`` ranks sends (and receives) per rank:
+    a reduce-scatter and an all-gather of ``dp - 1`` chunks of ``bucket_mb / dp`` each."""
+    return 2 * (dp - 1) / dp * bucket_mb
 
 
 def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
@@ -80,7 +148,7 @@ def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
     cfg = build_config(json.loads((run_dir / "config.json").read_text()))
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    stages = [_stage_result(report) for report in summary["stages"]]
+    stages = stage_results(summary["stages"], cfg.steps)
     micro_total = cfg.steps * cfg.microbatches
     busy = [s.busy_s for s in stages]
     timed = None
@@ -94,4 +162,7 @@ def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
         stages=stages,
         bubble_uniform=simulated_bubble(cfg, [3.0] * cfg.stages),
         bubble_timed=timed,
+        dp=cfg.dp,
+        steps=cfg.steps,
+        ranks=summary["stages"],
     )

@@ -38,14 +38,14 @@ def _failure_lines(output: str) -> str:
 
 
 def launch(
-    variant: Variant, stages: int, out: Path, settings: list[str], env: dict[str, str]
+    variant: Variant, processes: int, out: Path, settings: list[str], env: dict[str, str]
 ) -> int:
     """Run one variant to the end; return its exit code.
 
     A run whose summary exists trained to the end, so its figures stand even if a process then
     crashed while shutting down: that only gets a warning.
     """
-    cmd = command(variant, stages, out, settings)
+    cmd = command(variant, processes, out, settings)
     done = subprocess.run(cmd, env=child_env(env), capture_output=True, text=True)
     if done.returncode != 0 and not (out / "summary.json").exists():
         raise BenchError(
@@ -62,12 +62,12 @@ def launch(
 
 
 def timed_run(
-    variant: Variant, stages: int, out: Path, settings: list[str], retries: int
+    variant: Variant, processes: int, out: Path, settings: list[str], retries: int
 ) -> dict[str, Any]:
     """Run ``variant``, again (up to ``retries`` times) while other processes took CPU time."""
     for attempt in range(retries + 1):
         with ForeignLoad() as load:
-            code = launch(variant, stages, out, settings, {})
+            code = launch(variant, processes, out, settings, {})
         if load.cores is None or load.cores <= BUSY_CORES or attempt == retries:
             break
         print(
@@ -75,6 +75,12 @@ def timed_run(
             file=sys.stderr,
         )
     return {"exit_code": code, "foreign_cores": load.cores, "attempts": attempt + 1}
+
+
+def bench_shape(args: argparse.Namespace, steps: int | None = None) -> Shape:
+    """The shape of the benchmark's runs from its flags (``steps`` instead of ``--steps``)."""
+    steps = args.steps if steps is None else steps
+    return Shape(args.stages, args.microbatches, steps, args.batch_size, args.dp)
 
 
 def _folder(variant: Variant) -> str:
@@ -86,7 +92,7 @@ def run_timed(
 ) -> tuple[Results, list[dict]]:
     """Every variant ``args.repeats`` times, interleaved (A B C, C B A, ...) so that drift
     hits all of them alike; the log says how disturbed each run was."""
-    shape = Shape(args.stages, args.microbatches, args.steps, args.batch_size)
+    shape = bench_shape(args)
     skip_tokens = args.warmup_steps * args.batch_size * args.seq_len
     results: Results = {v.name: [] for v in variants}
     log = []
@@ -94,7 +100,7 @@ def run_timed(
         for variant in variants if repeat % 2 == 0 else variants[::-1]:
             out = runs_dir / f"{repeat}-{_folder(variant)}"
             settings = [*common, *shape.settings(variant)]
-            info = timed_run(variant, args.stages, out, settings, args.busy_retries)
+            info = timed_run(variant, shape.processes, out, settings, args.busy_retries)
             result: RunResult = read_run(out, skip_tokens)
             results[variant.name].append(result)
             log.append({"repeat": repeat, "variant": variant.name, **info})
@@ -111,11 +117,11 @@ def run_memory_pass(
     args: argparse.Namespace, variants: list[Variant], common: list[str], runs_dir: Path
 ) -> Results:
     """Every variant once more for a few steps under :data:`MEMORY_ENV` (CPU only)."""
-    shape = Shape(args.stages, args.microbatches, min(args.steps, MEMORY_STEPS), args.batch_size)
+    shape = bench_shape(args, steps=min(args.steps, MEMORY_STEPS))
     results: Results = {}
     for variant in variants:
         out = runs_dir / f"memory-{_folder(variant)}"
-        launch(variant, args.stages, out, [*common, *shape.settings(variant)], MEMORY_ENV)
+        launch(variant, shape.processes, out, [*common, *shape.settings(variant)], MEMORY_ENV)
         results[variant.name] = [read_run(out, skip_tokens=0)]
         peaks = " / ".join(f"{s.peak_mem_mb:.0f}" for s in results[variant.name][0].stages)
         print(f"[memory] {variant.name:12s} peak {peaks} MB", file=sys.stderr)

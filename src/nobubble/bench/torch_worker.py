@@ -15,6 +15,13 @@ It writes a run folder that reads like ours: ``metrics.jsonl`` (``step``, ``trai
 
 Idle time is the time spent in ``schedules._wait_batch_p2p`` (torch's only blocking wait on
 peers), measured on gloo only: on NCCL that call returns before the transfer is done.
+
+With data parallelism (``dp`` > 1) every replica runs torch's schedule on its pipeline's process
+group (the device mesh's "pp" dimension) over its share of every microbatch, as our runtime does,
+and after the schedule's step the stage averages its gradient (and loss) over its replicas with
+the same :class:`~nobubble.pipeline.replicas.ReplicaReduction` as ours, started and waited for at
+once: torch's schedules flush every step, so the all-reduce sits on the critical path, as under our
+1f1b. Its wait counts as idle time, as in our runtime.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from nobubble.config import TrainConfig, build_config, parse_overrides
 from nobubble.engine import peak_memory_mb
-from nobubble.layout import ParallelLayout
+from nobubble.layout import ParallelLayout, device_mesh
 from nobubble.model import Stage, lm_loss, model_config, partition
 from nobubble.optim import build_optimizer
 from nobubble.pipeline.launch import build_stage_data, launch_layout
@@ -42,6 +49,7 @@ from nobubble.pipeline.process_group import (
     exit_code,
     open_process_group,
 )
+from nobubble.pipeline.replicas import ReplicaReduction, replica_rows
 from nobubble.runfolder import RunFolder
 from nobubble.simulated import autocast
 from nobubble.train import configure_torch
@@ -90,6 +98,7 @@ class TorchStageRunner:
         layout: ParallelLayout,
     ):
         self.cfg, self.device, self.stage = cfg, device, layout.stage
+        self.layout = layout
         self.first, self.last = layout.is_first_stage, layout.is_last_stage
         data, vocab, _ = build_stage_data(cfg, run_dir, layout)
         self.batches = data.train if data else None
@@ -97,25 +106,46 @@ class TorchStageRunner:
         specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
         self.module = Stage(mc, specs[layout.stage], cfg.seed).to(device)
         self.optimizer = build_optimizer(list(self.module.named_parameters()), cfg)
-        stage = PipelineStage(self.module, layout.stage, layout.pp, device)  # dp = 1: rank = stage
+        pipeline, self.reduction = None, None  # dp = 1: the default group, rank = stage
+        if layout.dp > 1:
+            mesh = device_mesh(layout, device.type)  # not kept: it holds the default group
+            pipeline = mesh.get_group("pp")
+            self.reduction = ReplicaReduction(mesh.get_group("dp"), layout.dp)
+        stage = PipelineStage(self.module, layout.stage, layout.pp, device, group=pipeline)
         self.schedule = TORCH_SCHEDULES[schedule](
             stage, cfg.microbatches, loss_fn=lm_loss, scale_grads=True
         )
 
+    def replica_share(self, batch: torch.Tensor) -> torch.Tensor:
+        """This replica's rows of every microbatch, in microbatch order: torch's schedule splits
+        them into M equal microbatches again, each this replica's share of ours."""
+        chunks = batch.chunk(self.cfg.microbatches)
+        return torch.cat([replica_rows(chunk, self.layout) for chunk in chunks])
+
     def pipeline_step(self) -> float:
-        """One schedule step (all microbatches) and the mean microbatch loss (last stage)."""
-        batch = self.batches.next_batch().to(self.device) if self.batches else None
+        """One schedule step (all microbatches) and the summed microbatch losses (last stage)."""
+        batch = self.batches.next_batch() if self.batches else None
+        batch = None if batch is None else self.replica_share(batch).to(self.device)
         inputs = (batch[:, :-1],) if self.first else ()
         target = batch[:, 1:] if self.last else None
         losses: list[torch.Tensor] = []
         with autocast(self.device, self.cfg.dtype):
             self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
-        return sum(loss.item() for loss in losses) / len(losses) if losses else float("nan")
+        return sum(loss.item() for loss in losses) if losses else float("nan")
 
-    def optimizer_step(self, step: int) -> None:
-        """The same update rule as our STEP: per-stage clipping, scheduled LR, optimizer."""
+    def optimizer_step(self, step: int, loss_sum: float) -> float:
+        """The same update rule as our STEP: the replicas' average gradient (with dp), per-stage
+        clipping, scheduled LR, optimizer. Returns the mean microbatch loss (last stage)."""
+        if self.reduction is not None:
+            loss = None
+            if self.last:
+                loss = torch.tensor([loss_sum], dtype=torch.float64, device=self.device)
+            params = list(self.module.parameters())
+            total = self.reduction.finish(self.reduction.start(step, params, loss), params)
+            loss_sum = loss_sum if total is None else total.item()
         clip_stage(self.module.parameters(), self.cfg.grad_clip)
         optimizer_step(self.optimizer, step, self.cfg)
+        return loss_sum / self.cfg.microbatches
 
     def train(self) -> dict[str, Any]:
         losses, step_ends = [], []
@@ -123,26 +153,35 @@ class TorchStageRunner:
         with P2PWaitClock() as clock:
             started = time.perf_counter()
             for step in range(self.cfg.steps):
-                losses.append(self.pipeline_step())
-                self.optimizer_step(step)  # clipping reads the norm: a device sync per step
+                loss_sum = self.pipeline_step()
+                # clipping reads the norm: a device sync per step
+                losses.append(self.optimizer_step(step, loss_sum))
                 step_ends.append(time.perf_counter() - started)
         wall = step_ends[-1]
         idle = clock.waited_s if self.device.type == "cpu" else None
+        if idle is not None and self.reduction is not None:
+            idle += self.reduction.waited_s  # as in our runtime
         param_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        return {
-            "losses": losses,
-            "step_ends": step_ends,
-            "stage": {
-                "stage": self.stage,
-                "blocks": len(self.module.blocks),
-                "train_wall_s": wall,
-                "idle_s": idle,
-                "idle_fraction": None if idle is None else idle / wall,
-                "peak_mem_mb": peak_memory_mb(self.device),
-                "param_mb": param_bytes / 2**20,
-                "weight_versions_peak": 1,
-            },
+        report = {
+            "stage": self.stage,
+            "replica": self.layout.replica,
+            "blocks": len(self.module.blocks),
+            "train_wall_s": wall,
+            "idle_s": idle,
+            "idle_fraction": None if idle is None else idle / wall,
+            "peak_mem_mb": peak_memory_mb(self.device),
+            "param_mb": param_bytes / 2**20,
+            "weight_versions_peak": 1,
         }
+        if self.reduction is not None:
+            report |= {
+                "allreduce_s": self.reduction.duration_s,
+                "allreduce_wait_s": self.reduction.waited_s,
+                "allreduce_mb": self.reduction.bytes / 2**20,
+                "allreduce_last_s": self.reduction.last_s,
+                "allreduce_last_wait_s": self.reduction.last_wait_s,
+            }
+        return {"losses": losses, "step_ends": step_ends, "stage": report}
 
 
 def write_run(cfg: TrainConfig, run: RunFolder, reports: list[dict[str, Any]]) -> None:

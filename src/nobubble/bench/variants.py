@@ -34,12 +34,19 @@ VARIANTS: dict[str, Variant] = {
 
 @dataclass(frozen=True)
 class Shape:
-    """The training shape every variant shares."""
+    """The training shape every variant shares: P stages, M microbatches, and ``dp``
+    data-parallel replicas of the pipeline (``stages * dp`` processes), each reading 1/dp of
+    every microbatch of the global batch ``batch_size``."""
 
     stages: int
     microbatches: int
     steps: int
     batch_size: int
+    dp: int = 1
+
+    @property
+    def processes(self) -> int:
+        return self.stages * self.dp
 
     def settings(self, variant: Variant) -> list[str]:
         """The shape as ``key=value`` settings for ``variant``.
@@ -56,6 +63,7 @@ class Shape:
             f"microbatches={micro}",
             f"steps={steps}",
             f"batch_size={batch}",
+            f"dp={self.dp}",
             *variant.extra,
         ]
 
@@ -65,10 +73,11 @@ class Shape:
 FIXED_SETTINGS = ("eval_every=0", "eval_batches=1", "checkpoint_every=0", "log_every=1")
 
 
-def command(variant: Variant, stages: int, out: Path, settings: list[str]) -> list[str]:
-    """The torchrun command line of one run: ``nobubble train`` or the torch baseline worker."""
+def command(variant: Variant, processes: int, out: Path, settings: list[str]) -> list[str]:
+    """The torchrun command line of one run (``processes`` = stages x dp): ``nobubble train``
+    or the torch baseline worker."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    launcher += [f"--nproc-per-node={stages}", "-m"]
+    launcher += [f"--nproc-per-node={processes}", "-m"]
     if variant.backend == TORCH:
         program = ["nobubble.bench.torch_worker", "--schedule", variant.schedule]
     else:
