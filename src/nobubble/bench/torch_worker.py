@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from nobubble.config import TrainConfig, build_config, parse_overrides
+from nobubble.config import ConfigError, TrainConfig, build_config, parse_overrides
 from nobubble.engine import peak_memory_mb
 from nobubble.layout import ParallelLayout, device_mesh
 from nobubble.model import Stage, lm_loss, model_config, partition
@@ -103,6 +103,12 @@ class TorchStageRunner:
         data, vocab, _ = build_stage_data(cfg, run_dir, layout)
         self.batches = data.train if data else None
         mc = model_config(cfg, vocab)
+        if mc.tie_embeddings and cfg.stages > 1:
+            raise ConfigError(
+                "the torch baseline cannot split a tied embedding and head over stages (torch's "
+                "pipeline stages would train two copies that are never summed); benchmark the "
+                "torch variants with tie_embeddings=false, or leave them out"
+            )
         specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
         self.module = Stage(mc, specs[layout.stage], cfg.seed).to(device)
         self.optimizer = build_optimizer(list(self.module.named_parameters()), cfg)

@@ -79,6 +79,8 @@ class ReplicaReduction:
         """Start averaging the gradients of ``params`` (and ``loss``, a float64 sum)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         bucket = torch.cat([g.reshape(-1) for g in grads])
+        for param in params:  # the bucket holds them now; finish() hands back views of it
+            param.grad = None
         began = _recorded_event() if bucket.is_cuda else None
         started = time.perf_counter()
         works = [dist.all_reduce(bucket, group=self.group, async_op=True)]

@@ -194,6 +194,8 @@ class PipelineEngine:
         gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``), and on a stage that
         holds a tied copy, on the tied all-reduce (``tied_allreduce_wait_s`` of
         ``tied_allreduce_s``); ``tied_sha256`` is the digest of its copy's newest version.
+        ``allreduce_last_s`` and ``allreduce_last_wait_s`` are the run's final all-reduce alone
+        (no compute is left to hide it behind; the benchmark reports it apart).
         """
         param_mb = sum(p.numel() * p.element_size() for p in self.store.params.values()) / 2**20
         idle = self.train_idle_s + sum(r.waited_s for r in (self.reduction, self.tied) if r)
