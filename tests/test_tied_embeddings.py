@@ -239,8 +239,7 @@ def test_pipedream_with_tied_embeddings_is_refused_with_the_reason():
 
 PARITY = [
     # (stages, schedule, microbatches, extra settings)
-    (2, "1f1b", 2, ["optim=adamw"]),
-    (2, "2bw", 2, ["optim=adamw", "ef=true"]),
+    (2, "2bw", 2, ["optim=adamw", "ef=true"]),  # (the synchronous IR: the 4-stage sync case)
     (4, "sync", 4, ["optim=muon"]),
     (4, "2bw", 4, ["optim=adamw", "ef=true"]),
 ]
