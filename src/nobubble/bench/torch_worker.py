@@ -180,13 +180,7 @@ class TorchStageRunner:
             "weight_versions_peak": 1,
         }
         if self.reduction is not None:
-            report |= {
-                "allreduce_s": self.reduction.duration_s,
-                "allreduce_wait_s": self.reduction.waited_s,
-                "allreduce_mb": self.reduction.bytes / 2**20,
-                "allreduce_last_s": self.reduction.last_s,
-                "allreduce_last_wait_s": self.reduction.last_wait_s,
-            }
+            report |= self.reduction.report("allreduce")
         return {"losses": losses, "step_ends": step_ends, "stage": report}
 
 

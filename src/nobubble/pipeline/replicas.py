@@ -134,6 +134,16 @@ class ReplicaReduction:
             offset += count
         return None if pending.loss is None else pending.loss.div_(self.dp)
 
+    def report(self, prefix: str) -> dict[str, float]:
+        """The measurements of this reduction for a stage report, keys starting ``prefix``."""
+        return {
+            f"{prefix}_s": self.duration_s,
+            f"{prefix}_wait_s": self.waited_s,
+            f"{prefix}_mb": self.bytes / 2**20,
+            f"{prefix}_last_s": self.last_s,
+            f"{prefix}_last_wait_s": self.last_wait_s,
+        }
+
 
 def _recorded_event() -> torch.cuda.Event:
     """A timing event recorded on the current CUDA stream."""

@@ -212,20 +212,13 @@ class PipelineEngine:
             "weights_sha256": weights_digest(self.store[self.store.newest]),
         }
         if self.reduction:
-            report |= {
-                "allreduce_s": self.reduction.duration_s,
-                "allreduce_wait_s": self.reduction.waited_s,
-                "allreduce_mb": self.reduction.bytes / 2**20,
-                "allreduce_last_s": self.reduction.last_s,
-                "allreduce_last_wait_s": self.reduction.last_wait_s,
-            }
+            report |= self.reduction.report("allreduce")
         if self.tied:
             newest = self.store[self.store.newest]
             report |= {
                 "tied_sha256": weights_digest({self.tied_name: newest[self.tied_name]}),
-                "tied_allreduce_s": self.tied.duration_s,
-                "tied_allreduce_wait_s": self.tied.waited_s,
             }
+            report |= self.tied.report("tied_allreduce")
         reports = [None] * self.layout.world if self.layout.is_leader else None
         dist.gather_object(report, reports, dst=self.layout.leader)
         return reports
