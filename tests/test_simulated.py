@@ -34,10 +34,14 @@ def run_engine(cfg, mc, data):
     return losses, engine.named_weights()
 
 
-def plain_step(model, optimizer, batch, cfg, t, grad_model=None, stage_of=lambda name: 0):
-    """Gradient accumulation over M microbatches, clipping per stage, one optimizer step.
+def plain_step(
+    model, optimizer, batch, cfg, t, grad_model=None, stage_of=lambda name: 0, adjust=None
+):
+    """Gradient accumulation over M microbatches, clipping per stage (per ``stage_of`` key), one
+    optimizer step.
 
-    With ``grad_model`` the gradient is computed there (old weights) and applied to ``model``.
+    With ``grad_model`` the gradient is computed there (old weights) and applied to ``model``;
+    ``adjust(model)`` may change the gradients before the clip.
     """
     source = grad_model or model
     total = 0.0
@@ -48,6 +52,8 @@ def plain_step(model, optimizer, batch, cfg, t, grad_model=None, stage_of=lambda
     if grad_model is not None:
         for p, q in zip(model.parameters(), grad_model.parameters(), strict=True):
             p.grad, q.grad = q.grad, None
+    if adjust is not None:
+        adjust(model)
     stages: dict[int, list] = {}
     for name, p in model.named_parameters():
         stages.setdefault(stage_of(name), []).append(p)

@@ -23,6 +23,7 @@ from nobubble.simulated import DelayedTrainer, SimulatedEngine
 from tests.pipeline_helpers import assert_same_run, losses, nobubble
 from tests.test_checkpoint_names import CONSTANT, launch, resume, train
 from tests.test_data_parallel import assert_close_runs
+from tests.test_simulated import plain_step
 
 # -- the rule, by hand ---------------------------------------------------------------------------
 
@@ -132,27 +133,15 @@ def untied_step(model, optimizer, batch, cfg, t, stage_of, grad_model=None):
     """The semantics written out on an *untied* model whose head starts as a copy of the
     embedding: gradient accumulation, embed.grad + head.grad on both, the two copies clipped
     alone, every stage's other parameters clipped per stage, one optimizer step."""
-    source = grad_model or model
-    total = 0.0
-    for micro in batch.chunk(cfg.microbatches):
-        loss = lm_loss(source(micro[:, :-1]), micro[:, 1:])
-        (loss / cfg.microbatches).backward()
-        total += loss.item()
-    if grad_model is not None:
-        for p, q in zip(model.parameters(), grad_model.parameters(), strict=True):
-            p.grad, q.grad = q.grad, None
-    summed = model.embed.weight.grad + model.head.weight.grad
-    model.embed.weight.grad, model.head.weight.grad = summed, summed.clone()
-    groups: dict = {}
-    for name, p in model.named_parameters():
-        key = "tied " + name if name in ("embed.weight", "head.weight") else stage_of(name)
-        groups.setdefault(key, []).append(p)
-    for params in groups.values():
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    set_lr(optimizer, lr_at(t, cfg))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total / cfg.microbatches
+
+    def sum_copies(m):
+        summed = m.embed.weight.grad + m.head.weight.grad
+        m.embed.weight.grad, m.head.weight.grad = summed, summed.clone()
+
+    def group(name):
+        return "tied " + name if name in ("embed.weight", "head.weight") else stage_of(name)
+
+    return plain_step(model, optimizer, batch, cfg, t, grad_model, group, sum_copies)
 
 
 @pytest.mark.parametrize(
