@@ -22,6 +22,7 @@ SYNC_SCHEDULES = ("sync", "gpipe", "1f1b")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+LOGGERS = ("tensorboard", "wandb")
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,15 @@ class TrainConfig:
     max_seq_len: int | None = _opt(None, "override the preset's maximum sequence length", POSITIVE)
     tie_embeddings: bool | None = _opt(None, "override whether the head shares the embedding")
     rope_theta: float | None = _opt(None, "override the preset's RoPE base", POSITIVE)
+    init_from: str | None = _opt(
+        None,
+        "start from the weights of a local Hugging Face Llama checkpoint folder (config.json + "
+        "safetensors); the shape must match the model's (see docs/export.md)",
+    )
+    activation_checkpointing: bool = _opt(
+        False, "recompute each block's activations in the backward instead of keeping them"
+    )
+    compile: bool = _opt(False, "torch.compile each stage (see docs/training.md for parity)")
 
     # --- data ---
     data: str = _opt(
@@ -160,6 +170,21 @@ class TrainConfig:
     dtype: str = _opt("float32", "float32 | bfloat16 (autocast for matmuls)")
     threads: int = _opt(0, "torch CPU threads; 0 keeps torch's default", NON_NEGATIVE)
     progress: bool = _opt(True, "show a progress bar")
+    logger: str = _opt(
+        "none", "loggers beside metrics.jsonl: none | tensorboard | wandb | tensorboard,wandb"
+    )
+    wandb_project: str = _opt("nobubble", "Weights & Biases project (logger=wandb)")
+    wandb_mode: str = _opt(
+        "online", "Weights & Biases mode: online | offline (no network; sync later)"
+    )
+    peak_tflops: float | None = _opt(
+        None,
+        "peak dense TFLOP/s of one device for MFU; default: looked up for known GPUs, none on CPU",
+        POSITIVE,
+    )
+    profile_steps: str | None = _opt(
+        None, "A:B: write a torch.profiler trace of steps A..B (from 1) into the run folder"
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -339,7 +364,12 @@ def validate(cfg: TrainConfig) -> None:
     _choice("device", cfg.device, DEVICES)
     _choice("bin_dtype", cfg.bin_dtype, ("uint16", "uint32"))
     _choice("muon_adjust_lr", cfg.muon_adjust_lr, ("match_rms_adamw", "original"))
+    _choice("wandb_mode", cfg.wandb_mode, ("online", "offline"))
+    for name in chosen_loggers(cfg):
+        _choice("logger", name, LOGGERS)
     _check_numbers(cfg)
+    if cfg.profile_steps is not None:
+        profile_range(cfg)
     if cfg.batch_size % cfg.microbatches:
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
@@ -369,6 +399,30 @@ def validate(cfg: TrainConfig) -> None:
             "give one block count per stage"
         )
     _check_model(cfg)
+
+
+def chosen_loggers(cfg: TrainConfig) -> list[str]:
+    """The loggers ``logger`` names (comma-separated; "none" or empty for none)."""
+    names = [n.strip() for n in cfg.logger.split(",") if n.strip()]
+    return [] if names == ["none"] else names
+
+
+def profile_range(cfg: TrainConfig) -> range | None:
+    """The steps (numbered from 1) ``profile_steps`` names, or None; validated."""
+    if cfg.profile_steps is None:
+        return None
+    first, sep, last = cfg.profile_steps.partition(":")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        raise ConfigError(
+            f"profile_steps must be A:B with whole step numbers, e.g. 5:7, got "
+            f"{cfg.profile_steps!r}"
+        )
+    a, b = int(first), int(last)
+    if not 1 <= a <= b:
+        raise ConfigError(
+            f"profile_steps {cfg.profile_steps!r} must satisfy 1 <= A <= B (steps count from 1)"
+        )
+    return range(a, b + 1)
 
 
 def _check_model(cfg: TrainConfig) -> None:
