@@ -90,6 +90,11 @@ def _weight_name(key: str) -> str:
     return key.split("/", 1)[1]
 
 
+def _weight_version(key: str) -> int:
+    """The version of a ``v{version}/{name}`` key."""
+    return int(key.split("/", 1)[0][1:])
+
+
 def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors, none sharing memory with another (safetensors refuses that)."""
     out, seen = {}, set()
@@ -226,15 +231,30 @@ class CheckpointReader:
             out.setdefault(self.index[name], set()).add(name)
         return dict(sorted(out.items()))
 
-    def weights(self, names: Collection[str]) -> dict[str, torch.Tensor]:
-        """Every saved version of the parameters ``names``, as ``v{version}/{name}``."""
+    def weights(
+        self, names: Collection[str], versions: Collection[int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The saved versions (every one, or those in ``versions``) of the parameters ``names``,
+        as ``v{version}/{name}``."""
         out: dict[str, torch.Tensor] = {}
         for shard, mine in self.by_shard(names).items():
             with safe_open(self.shard(shard) / "weights.safetensors", "pt") as fh:
                 for key in fh.keys():  # noqa: SIM118
-                    if _weight_name(key) in mine:
+                    if _weight_name(key) in mine and (
+                        versions is None or _weight_version(key) in versions
+                    ):
                         out[key] = fh.get_tensor(key)
         return out
+
+    def versions(self) -> dict[str, list[int]]:
+        """The weight versions saved of every parameter, read from the safetensors headers."""
+        held: dict[str, list[int]] = {}
+        for shard, mine in self.by_shard(self.index).items():
+            with safe_open(self.shard(shard) / "weights.safetensors", "pt") as fh:
+                for key in fh.keys():  # noqa: SIM118
+                    if _weight_name(key) in mine:
+                        held.setdefault(_weight_name(key), []).append(_weight_version(key))
+        return {name: sorted(versions) for name, versions in held.items()}
 
     def optimizer(self, names: Collection[str]) -> NamedState:
         """The optimizer (and error-feedback) state of the parameters ``names``."""

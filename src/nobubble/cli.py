@@ -94,6 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from nobubble import bench, report, sweep
+    from nobubble.hf import cli as export_cli
     from nobubble.schedules import cli as schedule_cli
 
     parser = argparse.ArgumentParser(
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sweep", sweep, "train every run of a grid, N at a time (resumable)"),
         ("report", report, "tables and plots from run folders"),
         ("bench", bench, "pipeline throughput and memory: every schedule vs torch's pipelining"),
+        ("export", export_cli, "a run's checkpoint as a Hugging Face Llama model folder"),
     )
     for name, module, help_text in tools:
         sub = commands.add_parser(name, help=help_text)
