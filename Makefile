@@ -3,19 +3,24 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# `make test` installs every optional extra, so the tests of export, eval and the loggers run.
+TEST_EXTRAS := dev,hf,eval,tensorboard,wandb
 
-.PHONY: train test test-fast lint bootstrap
+.PHONY: train test test-fast lint bootstrap bootstrap-test
 
 bootstrap:
 	@VENV=$(VENV) scripts/bootstrap.sh
 
+bootstrap-test:
+	@VENV=$(VENV) EXTRAS=$(TEST_EXTRAS) scripts/bootstrap.sh
+
 train: bootstrap
 	$(VENV)/bin/nobubble train $(ARGS)
 
-test: bootstrap
+test: bootstrap-test
 	$(PY) -m pytest -q $(ARGS)
 
-test-fast: bootstrap
+test-fast: bootstrap-test
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 lint: bootstrap

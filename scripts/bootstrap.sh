@@ -4,12 +4,14 @@
 # torch: a torch >= 2.9 already importable by $PYTHON is reused (the venv sees the system
 # site-packages), so GPU users keep their own build. Otherwise $NOBUBBLE_TORCH is installed
 # (default torch==2.13.0: on CPU machines that is the CPU wheel; a bare `torch` would pull CUDA).
-# Everything else is pinned by constraints.txt. Re-runs only when those inputs change.
+# Everything else is pinned by constraints.txt. $EXTRAS (default: dev) names the optional extras
+# to install, comma-separated (`make test` asks for all). Re-runs only when those inputs change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC=${NOBUBBLE_TORCH:-torch==2.13.0}
+EXTRAS=${EXTRAS:-dev}
 
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     echo "bootstrap: $PYTHON is missing or older than Python 3.11; set PYTHON=/path/to/python3.11+" >&2
@@ -25,7 +27,7 @@ sys.exit(0 if (major, minor) >= (2, 9) else 1)
 PY
 }
 
-stamp_input=$(cat pyproject.toml constraints.txt; echo "$TORCH_SPEC"; "$PYTHON" --version)
+stamp_input=$(cat pyproject.toml constraints.txt; echo "$TORCH_SPEC $EXTRAS"; "$PYTHON" --version)
 stamp=$(printf '%s' "$stamp_input" | sha256sum | cut -c1-16)
 if [ -f "$VENV/.bootstrap-$stamp" ]; then
     exit 0
@@ -45,6 +47,6 @@ if ! has_torch "$VENV/bin/python"; then
     "${pip[@]}" "$TORCH_SPEC"
 fi
 echo "bootstrap: installing nobubble and its pinned dependencies into $VENV"
-"${pip[@]}" -c constraints.txt -e ".[dev]"
+"${pip[@]}" -c constraints.txt -e ".[$EXTRAS]"
 rm -f "$VENV"/.bootstrap-*
 touch "$VENV/.bootstrap-$stamp"
