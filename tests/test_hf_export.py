@@ -30,9 +30,10 @@ from nobubble.data import load_tokenizer
 from nobubble.data.tokenizer import train_bpe
 from nobubble.hf.convert import hf_name, parameter_shapes
 from nobubble.hf.export import export_hf
+from nobubble.hf.init import check_init_from, load_init_from
 from nobubble.model import TIED_WEIGHT, build_model, model_config, partition
 from nobubble.resume import saved_config
-from nobubble.simulated import stage_parameter_names
+from nobubble.simulated import SimulatedEngine, stage_parameter_names
 
 ATOL = 1e-5  # float32 logits; see the module docstring
 TEXTS = [
@@ -156,6 +157,23 @@ def test_a_stashed_version_exports_its_own_weights(runs, tmp_path, capsys):
     assert not torch.equal(stashed[hf_name("head.weight")], newest["head.weight"])
     provenance = json.loads((tmp_path / "v1" / "nobubble.json").read_text())
     assert (provenance["step"], provenance["version"], provenance["schedule"]) == (2, 1, "2bw")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tied"])
+def test_an_export_starts_a_new_run_with_exactly_its_weights(runs, exports, name):
+    run, out = runs[name], exports[name]
+    cfg = build_config({**saved_config(run), "init_from": str(out)})
+    tokenizer = load_tokenizer(run)
+    mc = model_config(cfg, tokenizer.vocab_size)
+    check_init_from(out, mc, tokenizer)
+    engine = SimulatedEngine(cfg, mc, torch.device("cpu"))
+    load_init_from(engine, out)
+    started, newest = engine.named_weights(), checkpoint_version(run)
+    assert started.keys() == newest.keys()
+    assert all(torch.equal(started[k], newest[k]) for k in newest)
+    last_stage = engine.trainer.stores[-1].params  # the tied run's split: its copy too
+    if name == "tied":
+        assert torch.equal(last_stage[TIED_WEIGHT], newest[TIED_WEIGHT])
 
 
 def reshard(run: Path, dest: Path, stages: int) -> Path:

@@ -94,6 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from nobubble import bench, report, sweep
+    from nobubble.downstream import cli as eval_cli
     from nobubble.hf import cli as export_cli
     from nobubble.schedules import cli as schedule_cli
 
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("report", report, "tables and plots from run folders"),
         ("bench", bench, "pipeline throughput and memory: every schedule vs torch's pipelining"),
         ("export", export_cli, "a run's checkpoint as a Hugging Face Llama model folder"),
+        ("eval", eval_cli, "benchmark scores of a run's checkpoint (lm-evaluation-harness)"),
     )
     for name, module, help_text in tools:
         sub = commands.add_parser(name, help=help_text)

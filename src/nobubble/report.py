@@ -3,7 +3,8 @@
 A diverged run (stopped by the non-finite policy, or ended with a non-finite loss) is reported as
 such and counts as an infinite loss. Unfinished run folders (no summary.json, not diverged) are
 skipped with a warning, so a report can be drawn while a sweep is still running; a path that is
-not a run folder and holds none is an error.
+not a run folder and holds none is an error. Runs scored by ``nobubble eval`` also get a table of
+their benchmark scores beside their losses.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nobubble.destinations import make_output_folder
 from nobubble.reporting.groups import CLEAR_GAP_SE, Comparison, Group, compare, group_runs
 from nobubble.reporting.runs import ReportError, discover, matches, parse_filter
 from nobubble.reporting.table import (
+    downstream_table,
     gap_during_training_table,
     quality_table,
     reverse_table,
@@ -41,6 +43,11 @@ full training time. Speed-up: baseline time / time to target.
 The reverse question, for a delayed run that ends above the target: how long the baseline needs \
 to reach the delayed run's own final loss (interpolated the same way), against the delayed run's \
 full training time. A speed-up below 1 means the baseline gets to that quality first."""
+
+DOWNSTREAM_NOTE = """Benchmark scores from `nobubble eval` (lm-evaluation-harness) of each run's \
+newest evaluated checkpoint (*eval step*): mean ± standard deviation over seeds, or one seed's \
+score with lm-eval's standard error (se). A column is one task, metric, number of shots and \
+example limit; — marks runs not evaluated on it."""
 
 GAP_NOTE = """Mean validation loss of each group minus its synchronous baseline's, at the \
 evaluation nearest to a quarter, half and all of training (steps where every seed of both was \
@@ -110,6 +117,7 @@ def render(
     title: str,
     inputs: Sequence[str],
     rows: Sequence[Comparison],
+    downstream: str | None,
     target: str | None,
     figures: Sequence[tuple[str, str]],
     warnings: Sequence[str],
@@ -124,6 +132,8 @@ def render(
         quality_table(rows),
         QUALITY_NOTE,
     ]
+    if downstream is not None:
+        parts += ["## Downstream evaluation", downstream, DOWNSTREAM_NOTE]
     gaps = gap_during_training_table(rows)
     if gaps is not None:
         parts += ["## Delay gap during training", gaps, GAP_NOTE]
@@ -160,9 +170,12 @@ def run(args: argparse.Namespace) -> int:
             target = NO_BASELINE
     out = make_output_folder(args.out, "--out")
     figures = draw_plots(groups, args.vs, out)
-    text = render(args.title, args.runs, rows, target, figures, warnings)
+    downstream = downstream_table(rows)
+    text = render(args.title, args.runs, rows, downstream, target, figures, warnings)
     (out / "report.md").write_text(text)
     print(quality_table(rows))
+    if downstream is not None:
+        print("\n" + downstream)
     if target is not None:
         print("\n" + target)
     print(f"\nreport: {out / 'report.md'}")

@@ -31,6 +31,7 @@ from nobubble.config import TrainConfig
 from nobubble.data import DataBundle, build_data
 from nobubble.engine import Engine, StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
+from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model import model_config
 from nobubble.optim.named_state import NamedStateError
@@ -315,13 +316,18 @@ def train(
     try:
         data = build_data(cfg, setup.work)
         mc = model_config(cfg, data.tokenizer.vocab_size)
+        source = init_source(cfg, setup.checkpoint)
+        if source:
+            check_init_from(source, mc, data.tokenizer)
         engine = SimulatedEngine(cfg, mc, device)
         before = restore_checkpoint(setup.checkpoint, engine, data)
+        if source:
+            load_init_from(engine, source)
         run = setup.commit()
     except BaseException:
         setup.discard()
         raise
-    print(f"run folder: {run.path}{resuming(setup.checkpoint)}")
+    print(f"run folder: {run.path}{resuming(setup.checkpoint)}{init_note(source)}")
     with stop_on_signals() as stop:
         run_training(cfg, run, data, engine, before, stop)
     return run.path

@@ -24,6 +24,7 @@ from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle, build_data
 from nobubble.data.errors import DataError
 from nobubble.data.tokenizer import tokenizer_from_json
+from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import stop_on_signals
 from nobubble.layout import ParallelLayout, replica_group
 from nobubble.model import model_config
@@ -175,8 +176,13 @@ def train_pipeline(
             setup = _from_leader(layout, lambda: open_run(cfg, overwrite, resume, auto_resume))
             data, vocab, val_batches = build_stage_data(cfg, setup.work, layout)
             mc = model_config(cfg, vocab)
+            source = init_source(cfg, setup.checkpoint)
+            if source:  # the leader checks (it has the tokenizer), every stage loads its own
+                _from_leader(layout, lambda: check_init_from(source, mc, data.tokenizer))
             engine = PipelineEngine(cfg, mc, device, val_batches, layout, replicas)
             before = restore_checkpoint(setup.checkpoint, engine, data)
+            if source:
+                load_init_from(engine, source)
             dist.barrier()  # every stage is ready: only now may the run folder change
             run = _from_leader(layout, setup.commit)
         except BaseException:
@@ -184,7 +190,8 @@ def train_pipeline(
                 setup.discard()
             raise
         if layout.is_leader:
-            print(f"run folder: {run.path}{resuming(setup.checkpoint)}", flush=True)
+            note = f"{resuming(setup.checkpoint)}{init_note(source)}"
+            print(f"run folder: {run.path}{note}", flush=True)
         with stop_on_signals(announce=layout.is_leader) as stop:
             run_training(cfg, run, data, engine, before, stop)
         dist.barrier()  # nobody tears the group down while a peer still talks to it

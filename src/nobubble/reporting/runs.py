@@ -1,4 +1,5 @@
-"""Reading run folders: config.json, summary.json, the eval lines of metrics.jsonl.
+"""Reading run folders: config.json, summary.json, the eval lines of metrics.jsonl, and the
+downstream scores of ``nobubble eval`` (``downstream/``) where there are any.
 
 A run is reported when it finished (summary.json) or diverged: stopped by the non-finite policy,
 or finished with a non-finite loss. A diverged run counts as an infinite final loss, as in a
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nobubble.config import FIELDS, ConfigError, coerce
+from nobubble.downstream.scores import Column, Score, latest_scores
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
@@ -62,6 +65,7 @@ class Run:
     config: dict[str, Any]
     summary: dict[str, Any]  # empty for a run the non-finite policy stopped
     evals: tuple[EvalPoint, ...]
+    downstream: Mapping[Column, Score]  # scores from `nobubble eval` (none if never run)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -126,6 +130,7 @@ def load_run(path: Path) -> Run:
         config=read_json(path / "config.json"),
         summary=read_json(summary) if summary.is_file() else {},
         evals=read_evals(path / "metrics.jsonl"),
+        downstream=latest_scores(path),
     )
 
 

@@ -1,4 +1,5 @@
-"""Markdown tables: final quality per group with its delay gap, and time to target."""
+"""Markdown tables: final quality per group with its delay gap, downstream scores, and time to
+target."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from nobubble.downstream.scores import Column
 from nobubble.reporting.groups import Comparison, Group, Stat, varied_keys
 from nobubble.reporting.target import ReverseRow, TargetRow
 
@@ -80,6 +82,43 @@ def quality_table(rows: Sequence[Comparison]) -> str:
         ]
         for r in rows
     ]
+    return markdown_table(header, body)
+
+
+def fmt_score(group: Group, column: Column) -> str:
+    """Mean ± std over the seeds evaluated on ``column``; one seed's value with lm-eval's
+    standard error."""
+    scores = [run.downstream[column] for run in group.runs if column in run.downstream]
+    if not scores:
+        return "—"
+    if len(scores) == 1:
+        se = scores[0].stderr
+        cell = f"{scores[0].value:.4f}" + ("" if se is None else f" (se {se:.4f})")
+    else:
+        cell = fmt_stat(Stat.of([s.value for s in scores]))
+    missing = len(scores) < len(group.runs)
+    return cell + (f" ({len(scores)}/{len(group.runs)} seeds)" if missing else "")
+
+
+def downstream_table(rows: Sequence[Comparison]) -> str | None:
+    """Benchmark scores beside the final validation loss; None when no run was evaluated."""
+    columns = list(dict.fromkeys(c for r in rows for run in r.group.runs for c in run.downstream))
+    if not columns:
+        return None
+    keys = varied_keys([r.group for r in rows], exclude=COLUMN_KEYS)
+    header = [*_who_header(keys), "seeds", "val loss", "eval step", *(c.label for c in columns)]
+    body = []
+    for r in rows:
+        steps = sorted({s.step for run in r.group.runs for s in run.downstream.values()})
+        body.append(
+            [
+                *_who(r.group, keys),
+                str(len(r.group.runs)),
+                fmt_final(r.group),
+                ", ".join(map(str, steps)) or "—",
+                *(fmt_score(r.group, c) for c in columns),
+            ]
+        )
     return markdown_table(header, body)
 
 
