@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-fewshot",
         type=_count,
         metavar="K",
-        help="examples shown before each question (default: each task's own, mostly 0)",
+        help="examples shown before each question (default: the task's own setting, 0 if none)",
     )
     parser.add_argument(
         "--batch-size",
