@@ -139,11 +139,12 @@ def tokenizer_mismatches(
             out.append(Mismatch("tokenizer", theirs_file.name, tokenizer.spec, use_theirs, why))
     vocab = ckpt.config.get("vocab_size")
     if vocab != mc.vocab_size:
+        why = "the model's vocabulary is the preset's, else the tokenizer's rounded up to 64"
         if not theirs_file.is_file():
-            fix = "tokenizer=PATH/tokenizer.json (the checkpoint's tokenizer)"
+            fix = "tokenizer=PATH/tokenizer.json"
+            why += "; PATH/tokenizer.json: the tokenizer the checkpoint was trained with"
         else:
             fix = None if same_tokens else use_theirs  # None: the run uses theirs already
-        why = "the model's vocabulary is the preset's, else the tokenizer's rounded up to 64"
         out.append(Mismatch("vocab_size", vocab, mc.vocab_size, fix, why))
     return out
 
