@@ -227,7 +227,6 @@ def test_another_shape_is_refused_with_the_settings_that_fit(tmp_path):
         ({"mlp_bias": True}, "mlp_bias True there, False here"),
         ({"hidden_act": "gelu"}, "hidden_act gelu there, silu here"),
         ({"head_dim": 16}, "head_dim 16 there, 8 here"),
-        ({"rms_norm_eps": 1e-6}, "rms_norm_eps 1e-06 there, 1e-05 here"),
         (
             {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
             "rope scaling llama3 there, none here",
@@ -238,6 +237,18 @@ def test_another_shape_is_refused_with_the_settings_that_fit(tmp_path):
 def test_an_architecture_nobubble_cannot_train_is_refused(tmp_path, changes, part):
     message = refused(fake_checkpoint(tmp_path / "c", llama_config(**changes)))
     assert part in message and "nobubble cannot start from this checkpoint" in message
+
+
+def test_another_norm_eps_or_vocabulary_size_is_refused_with_the_key_that_fits(tmp_path):
+    eps = fake_checkpoint(tmp_path / "eps", llama_config(rms_norm_eps=1e-6))
+    message = refused(eps)
+    assert "rms_norm_eps 1e-06 there, 1e-05 here" in message and "Set norm_eps=1e-06" in message
+    assert "rms_norm_eps" not in refused(eps, "norm_eps=1e-6")  # now only the tensors differ
+    wide = fake_checkpoint(tmp_path / "wide", llama_config(vocab_size=384))
+    ByteTokenizer().save(wide)  # the same tokens: only the embedding has more rows
+    message = refused(wide)
+    assert "vocab_size 384 there, 320 here" in message and "Set vocab_size=384" in message
+    assert "vocab_size" not in refused(wide, "vocab_size=384")
 
 
 def test_another_tokenizer_is_refused_with_the_checkpoints_one_as_the_fix(tmp_path):

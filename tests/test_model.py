@@ -148,3 +148,12 @@ def test_explicit_partition_and_its_errors():
         partition(4, 3, stage_layers=[2, 0, 2])
     with pytest.raises(ConfigError, match="at most"):
         partition(2, 5)
+
+
+def test_vocab_size_and_norm_eps_override_the_preset_and_a_too_small_vocabulary_is_refused():
+    from nobubble.config import build_config
+
+    mc = model_config(build_config({"vocab_size": 384, "norm_eps": 1e-6}), tokenizer_vocab=257)
+    assert (mc.vocab_size, mc.norm_eps) == (384, 1e-6)
+    with pytest.raises(ConfigError, match=r"vocab_size gives a vocabulary of 200 .* 257 tokens"):
+        model_config(build_config({"vocab_size": 200}), tokenizer_vocab=257)

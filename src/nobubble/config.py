@@ -79,6 +79,13 @@ class TrainConfig:
     max_seq_len: int | None = _opt(None, "override the preset's maximum sequence length", POSITIVE)
     tie_embeddings: bool | None = _opt(None, "override whether the head shares the embedding")
     rope_theta: float | None = _opt(None, "override the preset's RoPE base", POSITIVE)
+    norm_eps: float | None = _opt(None, "override the RMSNorm epsilon (default 1e-5)", POSITIVE)
+    vocab_size: int | None = _opt(
+        None,
+        "override the vocabulary size (default: the preset's, else the tokenizer's rounded up to "
+        "64); at least the tokenizer's",
+        POSITIVE,
+    )
     init_from: str | None = _opt(
         None,
         "start from the weights of a local Hugging Face Llama checkpoint folder (config.json + "

@@ -64,7 +64,7 @@ PRESETS: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 _OVERRIDES = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
-_OVERRIDES += ("tie_embeddings", "rope_theta")
+_OVERRIDES += ("tie_embeddings", "rope_theta", "norm_eps", "vocab_size")
 
 
 def model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
@@ -76,9 +76,11 @@ def model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
     mc = dataclasses.replace(mc, **changes)
     vocab = mc.vocab_size or 64 * math.ceil(tokenizer_vocab / 64)
     if vocab < tokenizer_vocab:
+        whose = "vocab_size" if cfg.vocab_size else f"preset {cfg.preset!r}"
         raise ConfigError(
-            f"preset {cfg.preset!r} has a vocabulary of {vocab} but the tokenizer "
-            f"{cfg.tokenizer!r} has {tokenizer_vocab} tokens; use a matching tokenizer"
+            f"{whose} gives a vocabulary of {vocab} but the tokenizer {cfg.tokenizer!r} has "
+            f"{tokenizer_vocab} tokens; use a matching tokenizer or vocab_size={tokenizer_vocab} "
+            "or more"
         )
     mc = dataclasses.replace(mc, vocab_size=vocab)
     if mc.d_model % mc.n_heads or mc.n_heads % mc.n_kv_heads:

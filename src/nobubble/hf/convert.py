@@ -205,7 +205,7 @@ def differences(config: dict[str, Any], mc: ModelConfig) -> list[Mismatch]:
         out.append(Mismatch("partial_rotary_factor", partial, 1.0, why="RoPE covers every dim"))
     eps = config.get("rms_norm_eps", 1e-6)  # LlamaConfig's default
     if not _same(float(eps), mc.norm_eps):
-        out.append(Mismatch("rms_norm_eps", eps, mc.norm_eps, why="no setting changes nobubble's"))
+        out.append(Mismatch("rms_norm_eps", eps, mc.norm_eps, fix=f"norm_eps={float(eps):g}"))
     return out
 
 

@@ -144,7 +144,8 @@ def tokenizer_mismatches(
             fix = "tokenizer=PATH/tokenizer.json"
             why += "; PATH/tokenizer.json: the tokenizer the checkpoint was trained with"
         else:
-            fix = None if same_tokens else use_theirs  # None: the run uses theirs already
+            # the run's tokens are the checkpoint's: only the embedding's row count differs
+            fix = f"vocab_size={vocab}" if same_tokens else use_theirs
         out.append(Mismatch("vocab_size", vocab, mc.vocab_size, fix, why))
     return out
 
