@@ -54,8 +54,9 @@ class Engine(Protocol):
         """Continue from a checkpoint written by any layout the config allows: ``tensors`` holds
         (at least) this process's parameters, ``state`` as :meth:`checkpoint_state` wrote it."""
 
-    def stage_reports(self) -> list[dict[str, float]] | None:
-        """Per-stage idle time and memory of a pipeline, on the leader (collective); else None."""
+    def stage_reports(self, digests: bool = True) -> list[dict[str, float]] | None:
+        """Per-stage idle time and memory of a pipeline, on the leader (collective); else None.
+        ``digests``: with the weights' digests (which read every weight)."""
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -32,6 +32,7 @@ from nobubble.checkpoint import (
 from nobubble.config import FIELDS, ConfigError, TrainConfig, build_config
 from nobubble.delay import stage_delays
 from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, write_json_atomic
+from nobubble.tracking import require_loggers
 
 SAFE_TO_CHANGE = frozenset(
     {
@@ -287,6 +288,7 @@ def open_run(
     Every path it returns is absolute: under torchrun the leader's answer goes to every rank, and
     a rank on another node (another working directory) must find the same folder.
     """
+    require_loggers(cfg)  # the leader's loggers: a missing package fails before any work
     if auto_resume and not cfg.out:
         raise ConfigError(
             "--auto-resume needs --out: it continues the run in that folder (without --out "

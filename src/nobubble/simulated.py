@@ -220,7 +220,7 @@ class SimulatedEngine:
     def barrier(self) -> None:
         """Nothing to wait for in one process."""
 
-    def stage_reports(self) -> None:
+    def stage_reports(self, digests: bool = True) -> None:
         """No stages run apart in one process."""
 
     def micro_loss(self, weights: Weights, micro: torch.Tensor) -> torch.Tensor:

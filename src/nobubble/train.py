@@ -7,12 +7,14 @@ a pipeline only drains where something needs the newest weights of every stage.
 from __future__ import annotations
 
 import math
+import shlex
 import signal
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import TracebackType
 
 import torch
 from tqdm import tqdm
@@ -27,16 +29,18 @@ from nobubble.checkpoint import (
     staging_dir,
     write_shard,
 )
-from nobubble.config import TrainConfig
+from nobubble.config import TrainConfig, chosen_loggers
 from nobubble.data import DataBundle, build_data
 from nobubble.engine import Engine, StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
+from nobubble.flops import Utilization, utilization
 from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import Interrupted, stop_on_signals
-from nobubble.model import model_config
+from nobubble.model import ModelConfig, model_config
 from nobubble.optim.named_state import NamedStateError
 from nobubble.resume import open_run, resume_command, tokenizer_digest
 from nobubble.runfolder import RunFolder
+from nobubble.tracking import Loggers, open_loggers, scalars_of, stage_scalars
 
 
 class TrainingError(RuntimeError):
@@ -79,15 +83,23 @@ class Elapsed:
 
 
 class StepLogger:
-    """Turns step stats and evaluations into metrics lines, the progress bar and the summary.
+    """Turns step stats and evaluations into metrics lines, the progress bar, the chosen loggers
+    (:mod:`nobubble.tracking`) and the summary; a context manager that closes them all.
 
     Times and throughput describe the whole run: ``before`` is what earlier sessions spent.
     """
 
     def __init__(
-        self, cfg: TrainConfig, run: RunFolder, start: int, before: Elapsed, enabled: bool = True
+        self,
+        cfg: TrainConfig,
+        run: RunFolder,
+        start: int,
+        before: Elapsed,
+        usage: Utilization,
+        enabled: bool = True,
     ) -> None:
-        self.cfg, self.run, self.enabled = cfg, run, enabled
+        self.cfg, self.run, self.usage, self.enabled = cfg, run, usage, enabled
+        self.loggers = open_loggers(cfg, run.path, start) if enabled else Loggers([])
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.train_time, self.wall_before = before.train_s, before.wall_s
         self.started = self.segment_start = time.perf_counter()
@@ -115,8 +127,10 @@ class StepLogger:
         self.done = stats.step + 1
         abort = self.count_nonfinite(stats)
         rate = self.tokens_per_s(time.perf_counter() - self.segment_start)
+        mfu = self.usage.mfu(rate)
+        flops = {"mfu": f"{mfu:.1%}"} if mfu is not None else {"tflops": self.tflops(rate)}
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+        self.bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{rate:,.0f}", **flops, refresh=False)
         if not abort and self.done % self.cfg.log_every and self.done != self.cfg.steps:
             return
         self.flush()
@@ -128,6 +142,8 @@ class StepLogger:
             "tokens": self.done * self.tokens_per_step,
             "tokens_per_s": rate,
         }
+        if mfu is not None:
+            record["mfu"] = mfu
         if stats.skipped_stages:
             record["skipped_stages"] = stats.skipped_stages
         self.pending = record
@@ -166,14 +182,34 @@ class StepLogger:
         self.bar.write(f"step {step}: val_loss {val_loss:.4f}  val_bpb {val_bpb:.4f}")
         self.flush()
 
+    def tflops(self, rate: float) -> str:
+        return f"{self.usage.model_tflops(rate):.3g}"
+
+    def on_stages(self, step: int, reports: list[dict] | None) -> None:
+        """Per-stage measurements of a pipeline (None: none, or not the leader) to the loggers."""
+        if reports and self.enabled:
+            self.loggers.log(step, stage_scalars(reports))
+
     def flush(self) -> None:
         if self.pending is not None and self.enabled:
             self.run.append_metrics(self.pending)
+            self.loggers.log(self.pending["step"], scalars_of(self.pending))
             self.pending = None
 
-    def close(self) -> None:
-        self.flush()
-        self.bar.close()
+    def close(self, error: BaseException | None = None) -> None:
+        try:
+            self.flush()
+        finally:
+            self.bar.close()
+            self.loggers.close(error)
+
+    def __enter__(self) -> StepLogger:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType
+    ) -> None:
+        self.close(error)
 
 
 def save_checkpoint(
@@ -239,14 +275,15 @@ def restore_checkpoint(folder: Path | None, engine: Engine, data: DataBundle | N
 
 def run_training(
     cfg: TrainConfig,
+    mc: ModelConfig,
     run: RunFolder,
     data: DataBundle | None,
     engine: Engine,
     before: Elapsed,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> dict | None:
-    """Train ``engine`` from its step to ``cfg.steps``; the leader logs and returns the summary
-    (others: None).
+    """Train ``engine`` (of the model ``mc``) from its step to ``cfg.steps``; the leader logs,
+    prints the summary line and returns the summary (others: None).
 
     ``data`` is None on pipeline stages that need no data (neither first nor last). ``before``:
     the time spent up to the checkpoint the engine was restored from. When ``should_stop`` turns
@@ -259,8 +296,9 @@ def run_training(
     next_batch = data.train.next_batch if data else None
     val = data.val if data else []
     stops, evals, saves = boundaries(cfg, engine.step)
-    log = StepLogger(cfg, run, engine.step, before, enabled=leader)
-    try:
+    usage = utilization(mc, cfg.seq_len, engine.device, engine.layout.world, cfg.peak_tflops)
+    watch_stages = bool(chosen_loggers(cfg))  # the same on every rank: stage_reports is collective
+    with StepLogger(cfg, run, engine.step, before, usage, enabled=leader) as log:
         if engine.step == 0:
             log.on_eval(0, engine.evaluate(val, token_bytes))
         for stop in stops:
@@ -277,31 +315,79 @@ def run_training(
                 )
             if stop in evals:
                 log.on_eval(stop, engine.evaluate(val, token_bytes))
+                if watch_stages and stop < cfg.steps:  # the last step's come with the summary
+                    log.on_stages(stop, engine.stage_reports(digests=False))
             log.flush()
             if stop in saves:
                 save_checkpoint(run, engine, data, cfg, log.elapsed())
-    finally:
-        log.close()
-    stages = engine.stage_reports()
+        stages = engine.stage_reports()
+        log.on_stages(engine.step, stages)
     if not leader:
         return None
+    summary = run_summary(log, engine, usage, resumed_at, stages)
+    run.write_summary(summary)
+    print(summary_line(summary, run.path, engine.layout.world), flush=True)
+    return summary
+
+
+def run_summary(
+    log: StepLogger,
+    engine: Engine,
+    usage: Utilization,
+    resumed_at: int,
+    stages: list[dict] | None,
+) -> dict:
+    """summary.json: the run's final evaluation, throughput, MFU, times and memory."""
     val_loss, val_bpb = log.last_eval or (float("nan"), float("nan"))
     elapsed = log.elapsed()
+    rate = log.tokens_per_s()
     summary = {
         "final_val_loss": val_loss,
         "final_val_bpb": val_bpb,
-        "tokens_per_s": log.tokens_per_s(),
+        "tokens_per_s": rate,
+        "flops_per_token": usage.flops_per_token,
+        "model_tflops": usage.model_tflops(rate),
+        "devices": usage.devices,
+        "peak_source": usage.peak_source,
         "wall_s": elapsed.wall_s,
         "train_s": elapsed.train_s,
         "steps": engine.step,
         "peak_mem_mb": peak_memory_mb(engine.device),
     }
+    if usage.peak_tflops is not None:
+        summary |= {"peak_tflops": usage.peak_tflops, "mfu": usage.mfu(rate)}
     if resumed_at:
         summary["resumed_at_step"] = resumed_at
     if stages:
         summary["stages"] = stages
-    run.write_summary(summary)
     return summary
+
+
+def summary_line(summary: dict, run_dir: Path, processes: int) -> str:
+    """The one line a finished run ends with: results, throughput, time, where, what next."""
+    if "mfu" in summary:
+        flops = f"MFU {summary['mfu']:.1%}"
+    else:
+        flops = f"{summary['model_tflops']:.3g} model TFLOP/s (no MFU: {summary['peak_source']})"
+    folder = shlex.quote(str(run_dir))
+    return (
+        f"nobubble: done: {summary['steps']} steps in {duration(summary['wall_s'])}, "
+        f"val_loss {summary['final_val_loss']:.4f}, val_bpb {summary['final_val_bpb']:.4f}, "
+        f"{summary['tokens_per_s']:,.0f} tok/s, {flops} | run folder: {folder} | more steps: "
+        f"{resume_command(run_dir, processes)} steps=N | export: nobubble export {folder} OUT "
+        "--format hf"
+    )
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` for people: 42.1 s, 3 min 12 s, 2 h 05 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
 
 
 def train(
@@ -329,7 +415,7 @@ def train(
         raise
     print(f"run folder: {run.path}{resuming(setup.checkpoint)}{init_note(source)}")
     with stop_on_signals() as stop:
-        run_training(cfg, run, data, engine, before, stop)
+        run_training(cfg, mc, run, data, engine, before, stop)
     return run.path
 
 

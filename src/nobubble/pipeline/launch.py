@@ -193,7 +193,7 @@ def train_pipeline(
             note = f"{resuming(setup.checkpoint)}{init_note(source)}"
             print(f"run folder: {run.path}{note}", flush=True)
         with stop_on_signals(announce=layout.is_leader) as stop:
-            run_training(cfg, run, data, engine, before, stop)
+            run_training(cfg, mc, run, data, engine, before, stop)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         del engine, replicas  # what holds a process group keeps its backend alive past close
         return run.path

@@ -187,8 +187,9 @@ class PipelineEngine:
         self.step = step + 1
         return norm, ok, lr
 
-    def stage_reports(self) -> list[dict[str, float]] | None:
-        """Every rank's idle time and memory, gathered on the leader (a collective call).
+    def stage_reports(self, digests: bool = True) -> list[dict[str, float]] | None:
+        """Every rank's idle time and memory, gathered on the leader (a collective call), so far
+        in this session; ``digests``: with the digests of the weights (which read all of them).
 
         ``idle_s`` counts the time blocked on pipeline peers and, with data parallelism, on the
         gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``), and on a stage that
@@ -209,15 +210,15 @@ class PipelineEngine:
             "peak_mem_mb": peak_memory_mb(self.device),
             "param_mb": param_mb,
             "weight_versions_peak": self.versions_peak,
-            "weights_sha256": weights_digest(self.store[self.store.newest]),
         }
+        newest = self.store[self.store.newest]
+        if digests:
+            report["weights_sha256"] = weights_digest(newest)
         if self.reduction:
             report |= self.reduction.report("allreduce")
         if self.tied:
-            newest = self.store[self.store.newest]
-            report |= {
-                "tied_sha256": weights_digest({self.tied_name: newest[self.tied_name]}),
-            }
+            if digests:
+                report["tied_sha256"] = weights_digest({self.tied_name: newest[self.tied_name]})
             report |= self.tied.report("tied_allreduce")
         reports = [None] * self.layout.world if self.layout.is_leader else None
         dist.gather_object(report, reports, dst=self.layout.leader)

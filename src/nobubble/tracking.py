@@ -1,0 +1,203 @@
+"""Loggers beside metrics.jsonl: TensorBoard and Weights & Biases (``logger=...``).
+
+Every scalar of a metrics line goes to each chosen logger at that line's step, under the same
+name (``train_loss``, ``val_bpb``, ``mfu``, ...); a pipeline run adds per-stage scalars
+(``stage{s}/idle_fraction``, ...) where they are measured. Only the leader opens a logger.
+
+A resumed run continues the same logger runs: TensorBoard writes into the run folder's ``tb/``
+and drops the events after the checkpoint (``purge_step``), as metrics.jsonl drops its lines;
+W&B resumes the run whose id the run folder keeps in ``wandb.json``. The packages are imported
+only when chosen (``pip install 'nobubble[tensorboard]'`` / ``'nobubble[wandb]'``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Protocol
+
+from nobubble.config import ConfigError, TrainConfig, chosen_loggers
+from nobubble.interrupt import Interrupted
+from nobubble.runfolder import write_json_atomic
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module = extra
+TB_FOLDER = "tb"
+WANDB_ID_FILE = "wandb.json"
+STAGE_IDENTIFIERS = ("stage", "replica", "blocks")  # in a stage report, but not measurements
+
+
+def require_loggers(cfg: TrainConfig) -> None:
+    """Fail before anything is written if a chosen logger's package is missing, or W&B online
+    has no API key (the check reads the key where W&B keeps it: no network, no prompt)."""
+    names = chosen_loggers(cfg)
+    for name in names:
+        try:
+            importlib.import_module(PACKAGES[name])
+        except ImportError:
+            raise ConfigError(
+                f"logger={name} needs the {PACKAGES[name]} package: pip install "
+                f"'nobubble[{name}]' (or drop {name} from logger={cfg.logger})"
+            ) from None
+    if "wandb" in names and cfg.wandb_mode == "online":
+        import wandb
+
+        if not wandb.login(verify=False, prompt=False):
+            raise ConfigError(
+                "logger=wandb with wandb_mode=online needs a W&B API key: run `wandb login` or "
+                "set WANDB_API_KEY, or pass wandb_mode=offline (then `wandb sync` the run "
+                "folder's wandb/offline-run-* folders later)"
+            )
+
+
+class Logger(Protocol):
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        """Record ``scalars`` at ``step`` (steps never decrease; a step may come twice with
+        different scalars: a metrics line, then the stages' measurements)."""
+
+    def close(self, error: BaseException | None) -> None:
+        """Write out everything; ``error``: what ends the run early, if anything."""
+
+
+class Loggers:
+    """The chosen loggers as one (none: every call does nothing)."""
+
+    def __init__(self, loggers: list[Logger]) -> None:
+        self.loggers = loggers
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if scalars:
+            for logger in self.loggers:
+                logger.log(step, scalars)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Close every logger; one that fails to is warned about (the run's own files, the
+        summary among them, still get written)."""
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            try:
+                logger.close(error)
+            except Exception as exc:  # reported; the others are still closed
+                warnings.warn(f"could not close {type(logger).__name__}: {exc}", stacklevel=2)
+
+
+def open_loggers(cfg: TrainConfig, run_dir: Path, start: int) -> Loggers:
+    """The loggers ``cfg.logger`` names, writing into ``run_dir``; ``start``: the step training
+    continues from (0 for a new run): nothing was logged after it, or it is discarded."""
+    opened: list[Logger] = []
+    try:
+        for name in chosen_loggers(cfg):
+            maker = TensorBoardLogger if name == "tensorboard" else WandbLogger
+            opened.append(maker(cfg, run_dir, start))
+    except BaseException:
+        Loggers(opened).close()
+        raise
+    return Loggers(opened)
+
+
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a metrics line, but its step (lists such as skipped_stages are
+    not scalars)."""
+    return {
+        key: value
+        for key, value in record.items()
+        if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+    }
+
+
+def stage_scalars(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """Per-stage scalars of the pipeline's stage reports: ``stage{s}/{measure}``, or
+    ``stage{s}/replica{r}/{measure}`` with data parallelism."""
+    several = any(report["replica"] for report in reports)
+    scalars = {}
+    for report in reports:
+        prefix = f"stage{report['stage']}" + (f"/replica{report['replica']}" if several else "")
+        measures = {k: v for k, v in report.items() if k not in STAGE_IDENTIFIERS}
+        scalars |= {f"{prefix}/{key}": value for key, value in scalars_of(measures).items()}
+    return scalars
+
+
+class TensorBoardLogger:
+    """Event files in ``RUN/tb`` (``tensorboard --logdir RUN/tb``)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, start: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        folder = run_dir / TB_FOLDER
+        wait_for_a_later_name(folder)
+        # a resumed run: the events of the steps after the checkpoint are hidden, as their
+        # metrics lines are dropped (TensorBoard's readers honour purge_step)
+        self.writer = SummaryWriter(str(folder), purge_step=start + 1 if start else None)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self, error: BaseException | None) -> None:
+        self.writer.close()
+
+
+def wait_for_a_later_name(folder: Path) -> None:
+    """TensorBoard reads a folder's event files in name order, and a name starts with the second
+    its file was made in: a resumed session's file must not share the second of an earlier one
+    (which another process's id could then sort after it)."""
+    stamps = [
+        int(match.group(1))
+        for path in folder.glob("events.out.tfevents.*")
+        if (match := re.match(r"events\.out\.tfevents\.(\d+)\.", path.name))
+    ]
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
+
+
+class WandbLogger:
+    """A W&B run in ``RUN/wandb``, its id kept in ``RUN/wandb.json`` so that a resumed run
+    continues it (``resume="allow"``)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, start: int) -> None:
+        import wandb
+
+        try:
+            self.run = wandb.init(
+                project=cfg.wandb_project,
+                id=wandb_run_id(run_dir),
+                name=run_dir.name,
+                dir=str(run_dir),
+                mode=cfg.wandb_mode,
+                resume="allow",
+                config=cfg.to_dict(),
+                allow_val_change=True,  # a resume may change the safe keys (steps, logger, ...)
+            )
+        except wandb.errors.Error as exc:
+            raise ConfigError(
+                f"could not start the W&B run of {run_dir}: {exc}; pass wandb_mode=offline to "
+                "log without the W&B server (no step was trained: a new run starts again with "
+                "--overwrite, a resumed one with --resume)"
+            ) from None
+        # W&B keeps a step once logged (a run's history only grows): online, a resumed run
+        # starts after the last step the server holds, which a crash may have left past the
+        # checkpoint (offline it starts at 0: the offline run knows no server)
+        self.first = self.run.starting_step
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if step >= self.first:
+            self.run.log(scalars, step=step)
+
+    def close(self, error: BaseException | None) -> None:
+        if isinstance(error, Interrupted):
+            self.run.mark_preempting()  # stopped on a signal with a checkpoint: to be resumed
+        self.run.finish(exit_code=0 if error is None else 1)
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of this run folder (made and kept on first use)."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file():
+        return json.loads(path.read_text())["run_id"]
+    run_id = uuid.uuid4().hex[:16]
+    write_json_atomic(path, {"run_id": run_id})
+    return run_id
