@@ -149,3 +149,21 @@ def test_no_float_key_accepts_a_non_finite_value(key, value):
         assert str(exc).startswith(f"{key} must be ") and repr(value) in str(exc)
     else:
         assert math.isfinite(getattr(cfg, key))
+
+
+def test_corrections_parse_combine_and_ef_is_an_alias():
+    from nobubble.config import chosen_corrections
+
+    assert chosen_corrections(build_config({})) == ()
+    assert chosen_corrections(build_config({"correction": "ef"})) == ("ef",)
+    assert chosen_corrections(build_config({"ef": True})) == ("ef",)
+    assert build_config({"correction": "ef"}).run_name() == build_config({"ef": True}).run_name()
+    for bad, message in [
+        ("ef+dc", "both change the update"),
+        ("ef+ef", "names a correction twice"),
+        ("efx", "unknown correction 'efx'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            build_config({"correction": bad})
+    with pytest.raises(ConfigError, match=r"ef and nesterov both .* \(ef=true adds ef\)"):
+        chosen_corrections(TrainConfig(correction="nesterov", ef=True))

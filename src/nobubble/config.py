@@ -23,6 +23,10 @@ LR_SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("tensorboard", "wandb")
+# Delay corrections: what each one does lives in nobubble.corrections; here only the names and
+# which act on the update (at most one of those) rather than on the weights a step runs at.
+UPDATE_CORRECTIONS = ("ef", "nesterov", "spike", "dc")
+CORRECTIONS = (*UPDATE_CORRECTIONS, "predict")
 
 
 class ConfigError(ValueError):
@@ -135,7 +139,12 @@ class TrainConfig:
         "abort after this many steps in a row whose update was skipped for a non-finite gradient",
         POSITIVE,
     )
-    ef: bool = _opt(False, "error-feedback delay correction")
+    correction: str = _opt(
+        "none",
+        "delay correction: none | ef | predict | nesterov | spike | dc, or a combination with + "
+        "(e.g. ef+predict); see docs/corrections.md",
+    )
+    ef: bool = _opt(False, "error-feedback delay correction (the same as correction=ef)")
     ef_gamma: float = _opt(1.0, "error-feedback strength G", NON_NEGATIVE)
 
     # --- schedule ---
@@ -202,9 +211,12 @@ class TrainConfig:
     def run_name(self) -> str:
         if self.name:
             return self.name
-        ef = "-ef" if self.ef else ""
+        corrections = "".join(f"-{name}" for name in chosen_corrections(self))
         dp = f"-dp{self.dp}" if self.dp > 1 else ""
-        return f"{self.preset}-{self.optim}-{self.schedule}{ef}-p{self.stages}{dp}-s{self.seed}"
+        return (
+            f"{self.preset}-{self.optim}-{self.schedule}{corrections}-p{self.stages}{dp}"
+            f"-s{self.seed}"
+        )
 
     def is_sync(self) -> bool:
         return self.schedule in SYNC_SCHEDULES
@@ -374,6 +386,9 @@ def validate(cfg: TrainConfig) -> None:
     _choice("wandb_mode", cfg.wandb_mode, ("online", "offline"))
     for name in chosen_loggers(cfg):
         _choice("logger", name, LOGGERS)
+    pending = [n for n in chosen_corrections(cfg) if n != "ef"]
+    if pending:  # accepted names whose implementation has not landed yet: refused, not ignored
+        raise ConfigError(f"correction {'+'.join(pending)} is not implemented yet; use ef")
     _check_numbers(cfg)
     if cfg.profile_steps is not None:
         profile_range(cfg)
@@ -406,6 +421,26 @@ def validate(cfg: TrainConfig) -> None:
             "give one block count per stage"
         )
     _check_model(cfg)
+
+
+def chosen_corrections(cfg: TrainConfig) -> tuple[str, ...]:
+    """The delay corrections ``correction`` names (``ef=true`` adds ``ef``), validated, in the
+    order of :data:`CORRECTIONS`."""
+    names = [n.strip() for n in cfg.correction.split("+") if n.strip()]
+    names = [] if names == ["none"] else names
+    for name in names:
+        _choice("correction", name, CORRECTIONS)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"correction {cfg.correction!r} names a correction twice")
+    chosen = set(names) | ({"ef"} if cfg.ef else set())
+    update = [n for n in UPDATE_CORRECTIONS if n in chosen]
+    if len(update) > 1:
+        raise ConfigError(
+            f"corrections {' and '.join(update)} both change the update; choose one of them "
+            "(predict combines with any one, e.g. correction=ef+predict)"
+            + (" (ef=true adds ef)" if cfg.ef and "ef" not in names else "")
+        )
+    return tuple(n for n in CORRECTIONS if n in chosen)
 
 
 def chosen_loggers(cfg: TrainConfig) -> list[str]:

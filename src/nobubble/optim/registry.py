@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nobubble.config import TrainConfig
+from nobubble.config import TrainConfig, chosen_corrections
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 from nobubble.optim.ef import ErrorFeedback
 from nobubble.optim.routing import Kind, param_groups
@@ -137,7 +137,7 @@ OPTIMIZERS: tuple[str, ...] = tuple(_FACTORIES)
 def build_optimizer(
     named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
 ) -> OptimizerLike:
-    """The optimizer ``cfg.optim`` over these parameters, wrapped in error feedback if ``cfg.ef``.
+    """The optimizer ``cfg.optim`` over these parameters, wrapped in error feedback if chosen.
 
     Any subset (one pipeline stage's parameters) gives the same per-parameter updates as the
     whole model: routing and every optimizer's math are per parameter.
@@ -148,4 +148,4 @@ def build_optimizer(
     if not groups:
         raise ValueError("build_optimizer got no trainable parameters")
     optimizer = _FACTORIES[cfg.optim](groups, cfg)
-    return ErrorFeedback(optimizer, cfg.ef_gamma) if cfg.ef else optimizer
+    return ErrorFeedback(optimizer, cfg.ef_gamma) if "ef" in chosen_corrections(cfg) else optimizer
