@@ -132,7 +132,7 @@ def test_loading_a_state_dict_without_buffers_says_why() -> None:
     named = _named_params()
     plain = build_optimizer(named, TrainConfig(optim="sgd"))
     wrapped = build_optimizer(named, TrainConfig(optim="sgd", ef=True))
-    with pytest.raises(ValueError, match="ef=true"):
+    with pytest.raises(ValueError, match="without correction=ef"):
         wrapped.load_state_dict(plain.state_dict())
 
 

@@ -5,8 +5,9 @@ Layout of ``checkpoints/step_NNNNNN`` (format 2)::
     manifest.json                 format, step, shard count, the shard of every parameter,
                                   SHA-256 of every file (written last)
     shard_0/weights.safetensors   every weight version the shard holds, ``v{version}/{name}``
-    shard_0/state.safetensors     optimizer and error-feedback tensors by parameter name
-                                  (``optim/{name}/{key}``, ``ef/{name}``) and the torch RNG state
+    shard_0/state.safetensors     optimizer and delay-correction tensors by parameter name
+                                  (``optim/{name}/{key}``, ``{correction}/{name}``: ``ef/{name}``,
+                                  ``nesterov/{name}``...) and the torch RNG state
     shard_0/state.json            step, the shard's parameter names, the optimizer's scalars and
                                   param-group hyperparameters by name (see optim/named_state.py)
     shard_0/meta.json             data position, config, tokenizer checksum, time so far

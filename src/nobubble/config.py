@@ -145,7 +145,13 @@ class TrainConfig:
         "(e.g. ef+predict); see docs/corrections.md",
     )
     ef: bool = _opt(False, "error-feedback delay correction (the same as correction=ef)")
-    ef_gamma: float = _opt(1.0, "error-feedback strength G", NON_NEGATIVE)
+    ef_gamma: float = _opt(
+        1.0, "error-feedback strength γ (γ = β on a momentum base: Nesterov)", NON_NEGATIVE
+    )
+    nesterov_gamma: float = _opt(
+        0.9, "correction=nesterov: look-ahead momentum γ (gradient step scaled by 1 - γ)", DECAY
+    )
+    dc_lambda: float = _opt(0.04, "correction=dc: λ of g + λ·g⊙g⊙(w_now - w_stale)", NON_NEGATIVE)
 
     # --- schedule ---
     schedule: str = _opt("sync", "sync | gpipe | 1f1b | 2bw | pipedream")
@@ -386,9 +392,9 @@ def validate(cfg: TrainConfig) -> None:
     _choice("wandb_mode", cfg.wandb_mode, ("online", "offline"))
     for name in chosen_loggers(cfg):
         _choice("logger", name, LOGGERS)
-    pending = [n for n in chosen_corrections(cfg) if n != "ef"]
-    if pending:  # accepted names whose implementation has not landed yet: refused, not ignored
-        raise ConfigError(f"correction {'+'.join(pending)} is not implemented yet; use ef")
+    from nobubble.corrections import check
+
+    check(cfg)  # refuses a correction not implemented yet, or one that cannot serve cfg
     _check_numbers(cfg)
     if cfg.profile_steps is not None:
         profile_range(cfg)

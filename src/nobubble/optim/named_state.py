@@ -11,7 +11,9 @@ the same information by name:
   of the optimizer that owns it (a :class:`~nobubble.optim.CompositeOptimizer` contributes the
   groups of all its parts). Group-level state lives here too: the pytorch_optimizer optimizers
   count their steps in the group (``group["step"]``);
-- ``ef``: the :class:`~nobubble.optim.ErrorFeedback` buffers Δ[t-1] by name (None without EF).
+- ``correction`` and ``buffers``: the update correction's name and its buffers by parameter name
+  (:class:`~nobubble.optim.update_correction.UpdateCorrection`: error feedback's Δ[t-1], the
+  nesterov velocity, ...); None without one.
 
 :func:`load_named_state` loads such a state into an optimizer built (by
 :func:`~nobubble.optim.build_optimizer`) over any subset of the parameters: the whole model in
@@ -33,6 +35,7 @@ import torch
 
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 from nobubble.optim.ef import ErrorFeedback
+from nobubble.optim.update_correction import UpdateCorrection
 
 _STRUCTURE = ("params", "param_names")  # group keys that are structure, not hyperparameters
 
@@ -54,7 +57,8 @@ class NamedGroup:
 class NamedState:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     groups: list[NamedGroup] = field(default_factory=list)
-    ef: dict[str, torch.Tensor] | None = None
+    correction: str | None = None  # the update correction's kind ("ef", "nesterov", ...)
+    buffers: dict[str, torch.Tensor] | None = None  # its buffers by name (None: no correction)
 
     def names(self) -> set[str]:
         """Every parameter the state covers (with or without per-parameter state yet)."""
@@ -70,14 +74,17 @@ class NamedState:
         return NamedState(
             {n: s for n, s in self.params.items() if n in wanted},
             [g for g in groups if g.names],
-            None if self.ef is None else {n: t for n, t in self.ef.items() if n in wanted},
+            self.correction,
+            None
+            if self.buffers is None
+            else {n: t for n, t in self.buffers.items() if n in wanted},
         )
 
     @staticmethod
     def merge(parts: Iterable[NamedState]) -> NamedState:
         """One state from the states of disjoint sets of parameters (checkpoint shards)."""
         merged = NamedState()
-        with_ef = set()
+        kinds = set()
         for part in parts:
             overlap = merged.names() & part.names()
             if overlap:
@@ -86,22 +93,31 @@ class NamedState:
                 )
             merged.params.update(part.params)
             merged.groups.extend(part.groups)
-            with_ef.add(part.ef is not None)
-            if part.ef is not None:
-                merged.ef = {**(merged.ef or {}), **part.ef}
-        if len(with_ef) > 1:
-            raise NamedStateError("some optimizer states have error-feedback buffers, some not")
+            kinds.add(part.correction)
+            merged.correction = part.correction
+            if part.buffers is not None:
+                merged.buffers = {**(merged.buffers or {}), **part.buffers}
+        if len(kinds) > 1:
+            raise NamedStateError(
+                f"the optimizer states were saved with different corrections ({_kinds(kinds)})"
+            )
         return merged
+
+
+def _kinds(kinds: Iterable[str | None]) -> str:
+    return ", ".join(sorted(kind or "none" for kind in kinds))
 
 
 # -- optimizer <-> named state -------------------------------------------------------------------
 
 
-def _parts(optimizer: OptimizerLike) -> tuple[list[torch.optim.Optimizer], ErrorFeedback | None]:
-    ef = optimizer if isinstance(optimizer, ErrorFeedback) else None
-    base = ef.base if ef is not None else optimizer
+def _parts(
+    optimizer: OptimizerLike,
+) -> tuple[list[torch.optim.Optimizer], UpdateCorrection | None]:
+    correction = optimizer if isinstance(optimizer, UpdateCorrection) else None
+    base = correction.base if correction is not None else optimizer
     parts = base.optimizers if isinstance(base, CompositeOptimizer) else [base]
-    return list(parts), ef
+    return list(parts), correction
 
 
 def _group_names(group: dict[str, Any]) -> list[str]:
@@ -137,15 +153,16 @@ def _add_state_dict(state: NamedState, sd: dict[str, Any], optimizer: str | None
 
 
 def named_state(optimizer: OptimizerLike) -> NamedState:
-    """The state of ``optimizer`` (any of :data:`nobubble.optim.OPTIMIZERS`, with or without
-    error feedback) keyed by parameter name. Tensors are the optimizer's own, not copies."""
-    parts, ef = _parts(optimizer)
+    """The state of ``optimizer`` (any of :data:`nobubble.optim.OPTIMIZERS`, with or without an
+    update correction) keyed by parameter name. Tensors are the optimizer's own, not copies."""
+    parts, correction = _parts(optimizer)
     state = NamedState()
     for part in parts:
         _add_state_dict(state, part.state_dict(), type(part).__name__)
-    if ef is not None:
+    if correction is not None:
         name_of = {param: name for name, param in _named_parameters(optimizer).items()}
-        state.ef = {name_of[param]: delta for param, delta in ef.prev_delta.items()}
+        state.correction = correction.kind
+        state.buffers = {name_of[param]: buf for param, buf in correction.buffers.items()}
     return state
 
 
@@ -159,7 +176,8 @@ def from_state_dict(sd: dict[str, Any]) -> NamedState:
         _add_state_dict(state, part, None)
     if "prev_delta" in sd:
         order = [name for group in state.groups for name in group.names]  # ErrorFeedback._params
-        state.ef = {order[index]: delta for index, delta in sd["prev_delta"].items()}
+        state.correction = ErrorFeedback.kind
+        state.buffers = {order[index]: delta for index, delta in sd["prev_delta"].items()}
     return state
 
 
@@ -188,23 +206,20 @@ def load_named_state(
             f"the saved optimizer state covers {len(extra)} parameter(s) this optimizer does not "
             f"hold, e.g. {extra[:3]}; it was saved for another model"
         )
-    parts, ef = _parts(optimizer)
-    if ef is None and state.ef is not None:
+    parts, correction = _parts(optimizer)
+    mine = None if correction is None else correction.kind
+    if mine != state.correction:
         raise NamedStateError(
-            "the saved optimizer state has error-feedback buffers (ef=true), this optimizer has "
-            "no error feedback"
-        )
-    if ef is not None and state.ef is None:
-        raise NamedStateError(
-            "the saved optimizer state has no error-feedback buffers: it was saved without ef=true"
+            f"the saved optimizer state was saved with correction={state.correction or 'none'}, "
+            f"this optimizer has correction={mine or 'none'}"
         )
     group_of = {name: group for group in state.groups for name in group.names}
     for part in parts:
         _load_part(part, state, group_of)
-    if ef is not None and state.ef is not None:
-        ef.prev_delta = {
-            params[name]: delta.to(device=params[name].device, dtype=params[name].dtype)
-            for name, delta in state.ef.items()
+    if correction is not None and state.buffers is not None:
+        correction.buffers = {
+            params[name]: buf.to(device=params[name].device, dtype=params[name].dtype)
+            for name, buf in state.buffers.items()
             if name in params
         }
 
@@ -300,7 +315,9 @@ def encode(state: NamedState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors by key, a JSON document) that :func:`decode` turns back into ``state``.
 
     Tensor keys: ``optim/{name}/{state key}`` (``/{i}`` into lists), ``group/{i}/{key}`` for a
-    tensor hyperparameter, ``ef/{name}`` for an error-feedback buffer.
+    tensor hyperparameter, ``{correction}/{name}`` for a correction's buffer (``ef/{name}``:
+    error feedback's, listed under ``"ef"`` as before other corrections existed; the others
+    under ``"correction": {"kind": ..., "names": [...]}``).
     """
     tensors: dict[str, torch.Tensor] = {}
     params = {
@@ -315,11 +332,16 @@ def encode(state: NamedState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         }
         for i, group in enumerate(state.groups)
     ]
-    ef = None
-    if state.ef is not None:
-        ef = sorted(state.ef)
-        tensors.update({f"ef/{name}": state.ef[name] for name in ef})
-    return tensors, {"params": params, "groups": groups, "ef": ef}
+    doc: dict[str, Any] = {"params": params, "groups": groups, "ef": None}
+    if state.correction is not None:
+        buffers = state.buffers or {}
+        names = sorted(buffers)
+        tensors.update({f"{state.correction}/{name}": buffers[name] for name in names})
+        if state.correction == ErrorFeedback.kind:
+            doc["ef"] = names
+        else:
+            doc["correction"] = {"kind": state.correction, "names": names}
+    return tensors, doc
 
 
 def decode(
@@ -345,7 +367,12 @@ def decode(
         for name, values in doc["params"].items()
         if keep(name)
     }
-    ef = None
+    kind, names = None, None
     if doc.get("ef") is not None:
-        ef = {name: tensor(f"ef/{name}") for name in doc["ef"] if keep(name)}
-    return NamedState(params, groups, ef)
+        kind, names = ErrorFeedback.kind, doc["ef"]
+    elif doc.get("correction") is not None:
+        kind, names = doc["correction"]["kind"], doc["correction"]["names"]
+    buffers = None
+    if kind is not None:
+        buffers = {name: tensor(f"{kind}/{name}") for name in names if keep(name)}
+    return NamedState(params, groups, kind, buffers)

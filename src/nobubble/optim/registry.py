@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from nobubble.config import TrainConfig, chosen_corrections
+from nobubble.config import TrainConfig
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
-from nobubble.optim.ef import ErrorFeedback
 from nobubble.optim.routing import Kind, param_groups
 
 Groups = list[dict[str, Any]]
@@ -137,15 +136,18 @@ OPTIMIZERS: tuple[str, ...] = tuple(_FACTORIES)
 def build_optimizer(
     named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
 ) -> OptimizerLike:
-    """The optimizer ``cfg.optim`` over these parameters, wrapped in error feedback if chosen.
+    """The optimizer ``cfg.optim`` over these parameters, wrapped in the update-side delay
+    correction ``cfg.correction`` chooses, if any (:mod:`nobubble.corrections`).
 
     Any subset (one pipeline stage's parameters) gives the same per-parameter updates as the
-    whole model: routing and every optimizer's math are per parameter.
+    whole model: routing, every optimizer's math and every correction are per parameter.
     """
+    from nobubble.corrections import wrap_optimizer  # corrections import the optimizers
+
     if cfg.optim not in _FACTORIES:
         raise ValueError(f"unknown optimizer {cfg.optim!r}; choose one of: {', '.join(OPTIMIZERS)}")
     groups = param_groups(named_params, cfg)
     if not groups:
         raise ValueError("build_optimizer got no trainable parameters")
     optimizer = _FACTORIES[cfg.optim](groups, cfg)
-    return ErrorFeedback(optimizer, cfg.ef_gamma) if "ef" in chosen_corrections(cfg) else optimizer
+    return wrap_optimizer(optimizer, named_params, cfg)

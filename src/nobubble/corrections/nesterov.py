@@ -1,0 +1,42 @@
+"""The discounted Nesterov correction for asynchronous pipelines (Ajanthan et al., ICML 2025).
+
+A Nesterov look-ahead in weight space over the base optimizer's change Δ[t], with the gradient
+step scaled by (1 - γ) (docs/corrections.md):
+
+    u[t]   = γ·u[t-1] + (1 - γ)·Δ[t],          u[-1] = 0
+    w[t+1] = w[t] - γ·u[t] - (1 - γ)·Δ[t]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nobubble.optim.composite import OptimizerLike
+from nobubble.optim.update_correction import UpdateCorrection
+
+
+class NesterovCorrection(UpdateCorrection):
+    """Wraps any optimizer; keeps one buffer (the velocity u[t-1]) per parameter.
+
+    With w' = w[t] - Δ[t] the base result, w[t+1] = w' + γ²·(Δ[t] - u[t-1]): the snapshot
+    becomes Δ[t] and then u[t] in place, the step's only transient memory.
+    """
+
+    kind = "nesterov"
+    buffer_key = "velocity"
+
+    def __init__(self, base: OptimizerLike, gamma: float) -> None:
+        super().__init__(base)
+        self.gamma = gamma
+
+    def _correct(self, params: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+        deltas = before
+        torch._foreach_sub_(deltas, params)  # Δ[t]
+        prevs = self._previous(params)
+        torch._foreach_sub_(prevs, deltas)  # u[t-1] - Δ[t]
+        torch._foreach_add_(params, prevs, alpha=-self.gamma * self.gamma)
+        torch._foreach_add_(deltas, prevs, alpha=self.gamma)  # u[t] = Δ + γ·(u[t-1] - Δ)
+        self.buffers.update(zip(params, deltas, strict=True))
+
+    def __repr__(self) -> str:
+        return f"NesterovCorrection({self.base!r}, gamma={self.gamma})"

@@ -1,0 +1,73 @@
+"""Spike compensation for a gradient delay of D steps (Kosson et al., MLSys 2021).
+
+A gradient that arrives D steps late has missed D steps of its momentum's impulse response. The
+compensated update applies the missed part at once and shrinks what the momentum still carries:
+
+    heavy ball (sgd, v = m·v + g):   w[t+1] = w[t] - η·(a·v[t] + b·g[t]),
+                                     a = m^D,  b = (1 - m^D)/(1 - m)
+    EMA (adamw, m = β1·m + (1-β1)·g): the numerator m̂ becomes (a·m[t] + (1 - a)·g[t])/(1 - β1^t),
+                                     a = β1^D (the same impulse response, normalized)
+
+D is each parameter's own delay (2bw: 1; pipedream: P-1-s on stage s; 0 leaves it untouched).
+Optimizers whose update is not linear in the momentum (Muon's orthogonalization, the sign of
+Lion/Signum, SOAP's rotation, Adan's and MARS's extra terms) are refused: a·v + b·g has no
+defined place in them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
+from nobubble.optim.update_correction import UpdateCorrection
+
+SUPPORTED = ("sgd", "adamw")
+
+
+class SpikeCompensation(UpdateCorrection):
+    """Wraps torch's SGD (heavy ball, no Nesterov) or AdamW; no buffer of its own (it reads the
+    optimizer's momentum). ``delays``: each parameter's delay D."""
+
+    kind = "spike"
+    buffer_key = "spike"
+
+    def __init__(self, base: OptimizerLike, delays: dict[torch.Tensor, int]) -> None:
+        super().__init__(base)
+        parts = base.optimizers if isinstance(base, CompositeOptimizer) else [base]
+        self.owner: dict[torch.Tensor, torch.optim.Optimizer] = {}
+        self.group: dict[torch.Tensor, dict] = {}
+        for part in parts:
+            if not isinstance(part, torch.optim.SGD | torch.optim.AdamW):
+                raise ValueError(f"spike compensation supports {SUPPORTED}, not {part!r}")
+            for group in part.param_groups:
+                if isinstance(part, torch.optim.SGD) and group["nesterov"]:
+                    raise ValueError("spike compensation is for heavy-ball SGD, not Nesterov")
+                for p in group["params"]:
+                    self.owner[p], self.group[p] = part, group
+        self.delays = delays
+
+    def _correct(self, params: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+        for p, w in zip(params, before, strict=True):
+            delay = self.delays[p]
+            if delay == 0:
+                continue
+            group, state = self.group[p], self.owner[p].state[p]
+            if isinstance(self.owner[p], torch.optim.SGD):
+                m, lr = group["momentum"], group["lr"]
+                a = m**delay
+                b = (1 - a) / (1 - m)
+                g = p.grad.add(w, alpha=group["weight_decay"])  # torch's L2 term
+                velocity = state["momentum_buffer"] if m else torch.zeros_like(p)
+                p.copy_(w - lr * (a * velocity + b * g))
+            else:
+                beta1, beta2 = group["betas"]
+                t = float(state["step"])
+                a = beta1**delay
+                denominator = (state["exp_avg_sq"].sqrt() / (1 - beta2**t) ** 0.5).add_(
+                    group["eps"]
+                )
+                shift = (state["exp_avg"] - p.grad).div_(denominator)
+                p.add_(shift, alpha=group["lr"] / (1 - beta1**t) * (1 - a))
+
+    def __repr__(self) -> str:
+        return f"SpikeCompensation({self.base!r})"
