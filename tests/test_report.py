@@ -140,12 +140,31 @@ def test_time_to_reach_interpolates_between_evaluations():
     assert time_to_reach(evals, 1.9) is None
 
 
+def test_every_correction_is_compared_with_its_plain_delayed_run(tmp_path):
+    """The gap closed by a correction, whatever its name or strength, against the same run
+    without one; a sync run with a correction is not a baseline."""
+    make_run(tmp_path, 2.0, schedule="sync")
+    make_run(tmp_path, 2.1, schedule="sync", correction="nesterov")
+    make_run(tmp_path, 2.4, schedule="2bw")
+    make_run(tmp_path, 2.1, schedule="2bw", correction="nesterov", nesterov_gamma=0.5)
+    make_run(tmp_path, 2.3, schedule="2bw", correction="dc", dc_lambda=1.0)
+    make_run(tmp_path, 2.2, schedule="2bw", ef=True, correction="predict")
+    runs, _ = discover([tmp_path])
+    rows = {row.group.setup: row for row in compare(group_runs(runs))}
+    assert rows["sync"].group.is_baseline and not rows["sync+nesterov"].group.is_baseline
+    assert rows["sync+nesterov"].baseline is rows["sync"].group
+    assert rows["2bw"].closed is None
+    assert rows["2bw+nesterov"].closed == pytest.approx(0.3 / 0.4)
+    assert rows["2bw+dc"].closed == pytest.approx(0.1 / 0.4)
+    assert rows["2bw+EF+predict"].closed == pytest.approx(0.2 / 0.4)
+
+
 def test_faster_run_speed_up(tmp_path):
     make_run(tmp_path, 2.0, schedule="1f1b", stages=2, microbatches=2)
     fast = make_run(tmp_path, 1.5, schedule="2bw", stages=2, microbatches=2, ef=True)
     runs, _ = discover([tmp_path])
     rows = compare(group_runs(runs))
-    assert rows[1].ef_closed is None and not rows[1].ef_unclear  # no 2bw run without EF
+    assert rows[1].closed is None and not rows[1].closed_unclear  # no 2bw run without EF
     baseline, fast_row = target_rows(rows)
     assert baseline.group.setup == "1f1b" and baseline.time.mean == 100.0
     # 2bw+EF falls from 2.5 at 50 s to 1.5 at 100 s: it reaches 2.0 halfway, at 75 s

@@ -397,3 +397,18 @@ def test_an_output_root_that_cannot_hold_runs_stops_the_sweep_before_it_starts(t
         call("--config", grid, "--out", str(taken / "sweep"))
     assert launches == []
     assert call("--config", grid, "--out", str(taken / "sweep"), "--dry-run") == 0  # writes nothing
+
+
+def test_a_grid_varies_the_delay_correction(tmp_path):
+    text = "[set]\nschedule = '2bw'\n[grid]\ncorrection = ['none', 'ef', 'nesterov', 'spike']"
+    spec = load_sweep(write(tmp_path, text + "\noptim = ['adamw', 'muon']"))
+    with pytest.raises(SweepError, match="correction=spike,optim=muon: correction spike: "):
+        plan(spec, "", {})
+    spec = load_sweep(write(tmp_path, text))
+    runs = plan(spec, "", {})
+    assert [r.config.run_name().split("-p1")[0] for r in runs] == [
+        "tiny-adamw-2bw",
+        "tiny-adamw-2bw-ef",
+        "tiny-adamw-2bw-nesterov",
+        "tiny-adamw-2bw-spike",
+    ]

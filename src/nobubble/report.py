@@ -29,11 +29,12 @@ from nobubble.reporting.target import reverse_rows, target_rows
 
 QUALITY_NOTE = f"""Final validation loss (mean token cross-entropy) and bits per byte: mean ± \
 standard deviation over seeds. *gap vs sync*: mean final loss minus that of the synchronous run \
-with the same settings (± the standard error of the difference). *EF closes*: (gap of the run \
-without EF − gap with EF) / gap without EF; 100% means EF matches sync, above 100% beats it, below \
-0% makes it worse. It is left out when the gap without EF is not clearly positive (not above \
-{CLEAR_GAP_SE:g} standard errors; with one seed, not above 0): a share of a gap that seed noise \
-could explain means nothing."""
+with the same settings (± the standard error of the difference). *gap closed*, for a run with a \
+delay correction (EF, nesterov, spike, dc, predict; docs/corrections.md): (gap of the same run \
+without a correction − its gap) / gap without; 100% means the correction matches sync, above 100% \
+beats it, below 0% makes it worse. It is left out when the gap without the correction is not \
+clearly positive (not above {CLEAR_GAP_SE:g} standard errors; with one seed, not above 0): a share \
+of a gap that seed noise could explain means nothing."""
 
 TARGET_NOTE = """Target: the synchronous baseline's mean final validation loss. Time to target: \
 training time (evaluations excluded) until the validation loss first reaches it, interpolated \

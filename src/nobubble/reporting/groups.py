@@ -1,9 +1,11 @@
 """Runs grouped over seeds, and each delayed group compared with its synchronous baseline.
 
 A group is every run with the same settings but the seed. Groups that differ only in how the
-pipeline runs (schedule, EF, stages, microbatches, partition) are one *comparison*: the
-synchronous group among them is the baseline of the others, and the delay gap of a group is its
-mean final validation loss minus the baseline's.
+pipeline runs (schedule, delay corrections, stages, microbatches, partition) are one
+*comparison*: the synchronous group without a correction among them is the baseline of the
+others, and the delay gap of a group is its mean final validation loss minus the baseline's. A
+group with a correction is also compared with the same group without it: the share of that
+plain run's gap the correction closes.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nobubble.config import SYNC_SCHEDULES
+from nobubble.config import SYNC_SCHEDULES, TrainConfig, chosen_corrections
 from nobubble.reporting.runs import Run
 
+# The keys that choose a delay correction or set one's strength (dropped to find the plain run).
+CORRECTION_KEYS = ("correction", "ef", "ef_gamma", "nesterov_gamma", "dc_lambda")
 PIPELINE_KEYS = (
     "schedule",
-    "ef",
-    "ef_gamma",
+    *CORRECTION_KEYS,
     "stages",
     "dp",
     "microbatches",
@@ -66,13 +69,19 @@ class Group:
         return self.settings["optim"]
 
     @property
+    def corrections(self) -> tuple[str, ...]:
+        """The delay corrections the group's runs use (``ef=true`` counts as ``ef``)."""
+        return corrections_of(self.settings)
+
+    @property
     def is_baseline(self) -> bool:
-        return self.settings["schedule"] in SYNC_SCHEDULES and not self.settings["ef"]
+        return self.settings["schedule"] in SYNC_SCHEDULES and not self.corrections
 
     @property
     def setup(self) -> str:
-        """``sync``, ``2bw``, ``2bw+EF``, ``pipedream``... (how the pipeline runs)."""
-        return self.settings["schedule"] + ("+EF" if self.settings["ef"] else "")
+        """``sync``, ``2bw``, ``2bw+EF``, ``2bw+nesterov``, ``pipedream+spike``... (how the
+        pipeline runs)."""
+        return "+".join([self.settings["schedule"], *(_label(c) for c in self.corrections)])
 
     @property
     def loss(self) -> Stat:
@@ -108,8 +117,16 @@ class Group:
         return {k: v for k, v in self.settings.items() if k not in keys}
 
 
+def corrections_of(settings: dict[str, Any]) -> tuple[str, ...]:
+    return chosen_corrections(TrainConfig(correction=settings["correction"], ef=settings["ef"]))
+
+
+def _label(correction: str) -> str:
+    return "EF" if correction == "ef" else correction
+
+
 def group_runs(runs: Sequence[Run]) -> list[Group]:
-    """Group over seeds, ordered by optimizer, schedule, EF, then the other settings."""
+    """Group over seeds, ordered by optimizer, schedule, corrections, then the other settings."""
     buckets: dict[str, list[Run]] = {}
     settings: dict[str, dict[str, Any]] = {}
     for run in runs:
@@ -127,7 +144,7 @@ def group_runs(runs: Sequence[Run]) -> list[Group]:
 def _order(group: Group) -> tuple:
     s = group.settings
     rank = SCHEDULE_ORDER.index(s["schedule"]) if s["schedule"] in SCHEDULE_ORDER else 99
-    return (s["optim"], rank, s["ef"], s["stages"], repr(sorted(s.items())))
+    return (s["optim"], rank, group.corrections, s["stages"], repr(sorted(s.items())))
 
 
 def varied_keys(groups: Sequence[Group], exclude: Sequence[str] = ()) -> list[str]:
@@ -142,14 +159,15 @@ def varied_keys(groups: Sequence[Group], exclude: Sequence[str] = ()) -> list[st
 
 @dataclass(frozen=True)
 class Comparison:
-    """One group's row: its delay gap to the synchronous baseline and the share EF closes."""
+    """One group's row: its delay gap to the synchronous baseline and, for a group with a
+    correction, the share of the plain delayed group's gap the correction closes."""
 
     group: Group
     baseline: Group | None
     gap: float | None  # mean final val loss minus the baseline's
     gap_se: float | None  # standard error of that difference
-    ef_closed: float | None = None  # (gap of 2bw - gap of 2bw+EF) / gap of 2bw, for EF rows
-    ef_unclear: bool = False  # an EF row whose run without EF has no clear gap to close
+    closed: float | None = None  # (gap of 2bw - gap of 2bw+correction) / gap of 2bw
+    closed_unclear: bool = False  # a correction whose plain run has no clear gap to close
 
     @property
     def gap_is_clear(self) -> bool:
@@ -195,27 +213,28 @@ def _with_gap(group: Group, groups: Sequence[Group]) -> Comparison:
     return Comparison(group, baseline, a.mean - b.mean, math.hypot(a.sem, b.sem))
 
 
-def _with_ef_share(row: Comparison, rows: Sequence[Comparison]) -> Comparison:
-    """EF's closed share needs the same group without EF to have a clear (positive) gap."""
-    if not row.group.settings["ef"] or row.gap is None:
+def _with_closed_share(row: Comparison, rows: Sequence[Comparison]) -> Comparison:
+    """A correction's closed share needs the same group without any correction to have a clear
+    (positive) gap."""
+    if not row.group.corrections or row.gap is None:
         return row
-    plain_settings = row.group.without("ef", "ef_gamma")
+    plain_settings = row.group.without(*CORRECTION_KEYS)
     plain = next(
         (
             r
             for r in rows
-            if not r.group.settings["ef"] and r.group.without("ef", "ef_gamma") == plain_settings
+            if not r.group.corrections and r.group.without(*CORRECTION_KEYS) == plain_settings
         ),
         None,
     )
     if plain is None or plain.gap is None or not math.isfinite(plain.gap + row.gap):
         return row  # no share of a gap that is infinite (a diverged group) or unknown
     if not plain.gap_is_clear:
-        return dataclasses.replace(row, ef_unclear=True)
-    return dataclasses.replace(row, ef_closed=(plain.gap - row.gap) / plain.gap)
+        return dataclasses.replace(row, closed_unclear=True)
+    return dataclasses.replace(row, closed=(plain.gap - row.gap) / plain.gap)
 
 
 def compare(groups: Sequence[Group]) -> list[Comparison]:
     """A row per group, in the groups' order."""
     rows = [_with_gap(group, groups) for group in groups]
-    return [_with_ef_share(row, rows) for row in rows]
+    return [_with_closed_share(row, rows) for row in rows]

@@ -11,7 +11,8 @@ from nobubble.downstream.scores import Column
 from nobubble.reporting.groups import Comparison, Group, Stat, varied_keys
 from nobubble.reporting.target import ReverseRow, TargetRow
 
-COLUMN_KEYS = ("optim", "schedule", "ef")  # shown in their own columns, not under "settings"
+# shown in their own columns ("setup" names the schedule and the corrections), not under "settings"
+COLUMN_KEYS = ("optim", "schedule", "correction", "ef")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -53,10 +54,10 @@ def fmt_gap(row: Comparison) -> str:
     return f"{row.gap:+.4f}{se}"
 
 
-def fmt_ef(row: Comparison) -> str:
-    if row.ef_closed is not None:
-        return f"{100 * row.ef_closed:.0f}%"
-    return "— (no clear gap)" if row.ef_unclear else ""
+def fmt_closed(row: Comparison) -> str:
+    if row.closed is not None:
+        return f"{100 * row.closed:.0f}%"
+    return "— (no clear gap)" if row.closed_unclear else ""
 
 
 def _who(group: Group, keys: Sequence[str]) -> list[str]:
@@ -70,7 +71,7 @@ def _who_header(keys: Sequence[str]) -> list[str]:
 
 def quality_table(rows: Sequence[Comparison]) -> str:
     keys = varied_keys([r.group for r in rows], exclude=COLUMN_KEYS)
-    header = [*_who_header(keys), "seeds", "val loss", "val bpb", "gap vs sync", "EF closes"]
+    header = [*_who_header(keys), "seeds", "val loss", "val bpb", "gap vs sync", "gap closed"]
     body = [
         [
             *_who(r.group, keys),
@@ -78,7 +79,7 @@ def quality_table(rows: Sequence[Comparison]) -> str:
             fmt_final(r.group),
             fmt_stat(r.group.bpb) if math.isfinite(r.group.bpb.mean) else "—",
             fmt_gap(r),
-            fmt_ef(r),
+            fmt_closed(r),
         ]
         for r in rows
     ]
