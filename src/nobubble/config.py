@@ -470,6 +470,11 @@ def profile_range(cfg: TrainConfig) -> range | None:
         raise ConfigError(
             f"profile_steps {cfg.profile_steps!r} must satisfy 1 <= A <= B (steps count from 1)"
         )
+    if b > cfg.steps:  # refused, not clipped: the run would trace fewer steps than asked
+        raise ConfigError(
+            f"profile_steps {cfg.profile_steps!r} reaches past the run's last step (steps="
+            f"{cfg.steps}); choose steps between 1 and {cfg.steps}"
+        )
     return range(a, b + 1)
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from nobubble.profiling import NoProfiler, StepProfiler
 
 
 @dataclass
@@ -28,6 +31,8 @@ class Engine(Protocol):
     step: int
     layout: ParallelLayout  # this process's place: its stage, replica, shard, whether it leads
     device: torch.device
+    # told before a step's first action and once its update is applied (profile_steps)
+    profiler: StepProfiler | NoProfiler
 
     def barrier(self) -> None:
         """Wait for every rank (a no-op in one process)."""

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from nobubble.config import ConfigError, TrainConfig
 
@@ -193,7 +195,12 @@ class Stage(nn.Module):
 
     With tied embeddings the head's weight is ``embed.weight``; on a last stage without the
     embedding, ``embed`` holds only that copy (the stage never looks tokens up).
+
+    ``activation_checkpointing``: when gradients are recorded, every block keeps only its input
+    and recomputes its activations in the backward (:func:`checkpointed_block`).
     """
+
+    activation_checkpointing: bool = False
 
     def __init__(self, mc: ModelConfig, spec: StageSpec, seed: int = 0) -> None:
         super().__init__()
@@ -216,11 +223,30 @@ class Stage(nn.Module):
             x = self.embed(x)
         t = x.shape[1]
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks.values():
-            x = block(x, cos, sin)
+            x = checkpointed_block(block, x, cos, sin) if recompute else block(x, cos, sin)
         if self.head is not None:
             x = self.head(self.norm(x))
         return x
+
+
+def checkpointed_block(
+    block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """``block(x, cos, sin)``, its activations recomputed in the backward from ``x``
+    (non-reentrant :func:`torch.utils.checkpoint.checkpoint`).
+
+    The recomputation runs with the weights this forward ran with, which it is handed
+    explicitly: under ``functional_call`` (the weight version of an action) the block's
+    attributes hold that version only for the duration of the call, and the backward, long after
+    it, would otherwise recompute with whatever the block holds then (under 2bw, another
+    version). The RNG state is saved and restored for the recomputation (torch's default; the
+    blocks draw no random numbers) and so is the autocast state, so the recomputed activations
+    are bitwise those of the forward.
+    """
+    weights = dict(block.named_parameters())
+    return checkpoint(functional_call, block, weights, (x, cos, sin), use_reentrant=False)
 
 
 def init_parameters(module: nn.Module, seed: int) -> None:

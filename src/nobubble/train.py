@@ -38,6 +38,7 @@ from nobubble.hf.init import check_init_from, init_note, init_source, load_init_
 from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model import ModelConfig, model_config
 from nobubble.optim.named_state import NamedStateError
+from nobubble.profiling import profiled
 from nobubble.resume import open_run, resume_command, tokenizer_digest
 from nobubble.runfolder import RunFolder
 from nobubble.tracking import Loggers, open_loggers, scalars_of, stage_scalars
@@ -414,7 +415,7 @@ def train(
         setup.discard()
         raise
     print(f"run folder: {run.path}{resuming(setup.checkpoint)}{init_note(source)}")
-    with stop_on_signals() as stop:
+    with stop_on_signals() as stop, profiled(cfg, run.path, engine, pipeline=False):
         run_training(cfg, mc, run, data, engine, before, stop)
     return run.path
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
+from nobubble.profiling import label
 
 
 class Channel(enum.IntEnum):
@@ -44,6 +45,18 @@ class PendingRecv:
     peer: int  # the sending stage
     replica: int | None  # its replica (None: this rank's)
     what: str
+    channel: Channel
+    sequence: int
+
+    def __str__(self) -> str:
+        """What it brings, short (the profiler's label of its wait): ``activation mb5``,
+        ``stats step 3`` (steps counted from 1)."""
+        name = self.channel.name.lower().replace("_", " ")
+        if self.channel in (Channel.ACTIVATION, Channel.GRADIENT):
+            return f"{name} mb{self.sequence}"
+        if self.channel in (Channel.STATS, Channel.CONTROL, Channel.STOP_VOTE):
+            return f"{name} step {self.sequence + 1}"
+        return f"{name} {self.sequence}"
 
 
 SEND_WINDOW = 16  # sends kept in flight before the oldest is waited for
@@ -95,15 +108,16 @@ class Messenger:
     ) -> PendingRecv:
         buffer = torch.empty(shape, dtype=dtype, device=device)
         work = dist.irecv(buffer, self.layout.rank_of(peer, replica), tag=tag(channel, sequence))
-        return PendingRecv(buffer, work, peer, replica, what)
+        return PendingRecv(buffer, work, peer, replica, what, channel, sequence)
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
         started = time.perf_counter()
         peer = self.layout.name(pending.peer, pending.replica)
         try:
-            pending.work.wait(self.timeout)
-            if pending.buffer.is_cuda:  # make the wait cover the transfer, as on the CPU
-                torch.cuda.current_stream().synchronize()
+            with label("wait", pending, "from", peer):
+                pending.work.wait(self.timeout)
+                if pending.buffer.is_cuda:  # make the wait cover the transfer, as on the CPU
+                    torch.cuda.current_stream().synchronize()
         except RuntimeError as exc:
             raise self._failure(
                 f"waiting for {pending.what} from {peer}",
@@ -141,8 +155,9 @@ class Messenger:
     def _wait_sends(self, sends: list[tuple[dist.Work, torch.Tensor]]) -> None:
         started = time.perf_counter()
         try:
-            for work, _ in sends:
-                work.wait(self.timeout)
+            with label("wait", len(sends), "sends"):
+                for work, _ in sends:
+                    work.wait(self.timeout)
         except RuntimeError as exc:
             waited = time.perf_counter() - started
             doing = "waiting for a message it sent to be received"

@@ -33,6 +33,7 @@ from nobubble.pipeline.process_group import (
     device_and_backend,
     open_process_group,
 )
+from nobubble.profiling import profiled
 from nobubble.resume import open_run
 from nobubble.train import (
     configure_torch,
@@ -192,7 +193,10 @@ def train_pipeline(
         if layout.is_leader:
             note = f"{resuming(setup.checkpoint)}{init_note(source)}"
             print(f"run folder: {run.path}{note}", flush=True)
-        with stop_on_signals(announce=layout.is_leader) as stop:
+        with (
+            stop_on_signals(announce=layout.is_leader) as stop,
+            profiled(cfg, run.path, engine, pipeline=True),
+        ):
             run_training(cfg, mc, run, data, engine, before, stop)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         del engine, replicas  # what holds a process group keeps its backend alive past close

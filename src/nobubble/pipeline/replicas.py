@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.comm import PeerFailure
+from nobubble.profiling import label
 
 
 def replica_rows(rows: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
@@ -53,7 +54,8 @@ class PendingReduction:
 class ReplicaReduction:
     """Sums a gradient (and loss) over ``group`` and divides by ``dp`` (for a stage's replicas:
     their mean); a wait longer than ``timeout_s`` or a member that went away is a
-    :class:`PeerFailure` naming ``name`` (the rank that waited) and ``what`` it waited for."""
+    :class:`PeerFailure` naming ``name`` (the rank that waited) and ``what`` it waited for;
+    ``short``: its name on a profiler trace."""
 
     def __init__(
         self,
@@ -62,8 +64,9 @@ class ReplicaReduction:
         timeout_s: float = 1800.0,
         name: str = "this stage",
         what: str = "the gradient all-reduce with the other replicas of its stage",
+        short: str = "gradient all-reduce",
     ) -> None:
-        self.group, self.dp, self.name, self.what = group, dp, name, what
+        self.group, self.dp, self.name, self.what, self.short = group, dp, name, what, short
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.duration_s = 0.0  # start to completion, summed over steps
         self.waited_s = 0.0  # the part of it the stage spent blocked
@@ -105,8 +108,9 @@ class ReplicaReduction:
         stalled = _recorded_event() if pending.events else None
         started = time.perf_counter()
         try:
-            for work in pending.works:
-                work.wait(self.timeout)
+            with label("wait", self.short, "step", pending.step + 1):
+                for work in pending.works:
+                    work.wait(self.timeout)
         except RuntimeError as exc:
             raise PeerFailure(
                 f"{self.name} stopped waiting for {self.what} (step {pending.step}): one of "

@@ -1,0 +1,52 @@
+"""The speed and memory options of a stage module: activation checkpointing and torch.compile.
+
+Both backends build their modules (the simulator's whole model, a pipeline rank's stage) and
+hand them here, so the two apply the options alike (docs/training.md, "Compile and activation
+checkpointing").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.model import Stage
+
+
+def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -> None:
+    """Set ``module`` up as ``cfg`` asks: recompute block activations, compile its forward.
+
+    Compiling compiles the module's call in place (``nn.Module.compile``): parameter names stay
+    those of the model, and ``functional_call`` with any weight version runs the compiled code
+    (the weights are inputs of the compiled graph, not constants, so a new version needs no
+    recompilation).
+    """
+    module.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.compile:
+        check_compilable(device)
+        module.compile()
+
+
+def check_compilable(device: torch.device) -> None:
+    """Refuse ``compile=true`` where torch.compile cannot work, before anything runs."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ConfigError(
+            "compile=true: torch.compile does not support this Python or platform; set "
+            "compile=false"
+        )
+    if device.type != "cpu":
+        return
+    try:  # inductor compiles CPU kernels with a C++ compiler: find it now, not mid-step
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch layout: inductor says so itself if it fails
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as exc:
+        raise ConfigError(
+            "compile=true on the CPU needs a C++ compiler for torch.compile's generated kernels "
+            f"and none was found ({exc}); install g++ (or point CXX at one), or set "
+            "compile=false"
+        ) from None
