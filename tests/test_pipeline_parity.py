@@ -22,6 +22,10 @@ CASES = [
     (4, "2bw", 4, ["optim=muon"]),
     (4, "2bw", 4, ["optim=adamw", "ef=true"]),
     (4, "pipedream", 1, ["optim=adamw", "ef=true"]),
+    # the other delay corrections (docs/corrections.md); dc's λ large enough to move float32
+    (2, "2bw", 2, ["optim=adamw", "correction=nesterov"]),
+    (2, "2bw", 2, ["optim=adamw", "correction=dc", "dc_lambda=1000"]),
+    (3, "pipedream", 1, ["optim=adamw", "correction=spike"]),
 ]
 
 

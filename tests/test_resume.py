@@ -34,6 +34,8 @@ RUNS = {
     "sync": ["schedule=sync"],
     "2bw+ef": ["schedule=2bw", "ef=true", "microbatches=2"],
     "pipedream": ["schedule=pipedream", "stages=3", "optim=muon"],
+    # delay compensation's state: each parameter's last D applied changes (D = 2, 1, 0)
+    "pipedream+dc": ["schedule=pipedream", "stages=3", "correction=dc", "dc_lambda=1000"],
 }
 
 
