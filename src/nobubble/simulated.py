@@ -25,7 +25,7 @@ import torch
 from torch.func import functional_call
 
 from nobubble.checkpoint import CheckpointError
-from nobubble.config import ConfigError, TrainConfig
+from nobubble.config import ConfigError, TrainConfig, chosen_corrections
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
@@ -41,9 +41,8 @@ from nobubble.model import (
 )
 from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
-from nobubble.profiling import OFF, label, labelled
-from nobubble.stage_options import apply_stage_options
-from nobubble.update import combined_norm, optimizer_step, prepare_step, take_gradients
+from nobubble.prediction import StepWeights
+from nobubble.update import combined_norm, optimizer_step, prepare_step
 from nobubble.versions import VersionStore, Weights
 
 
@@ -84,6 +83,9 @@ class DelayedTrainer:
     of one tied weight; the optimizer holds the first stage's. ``micro_loss`` finds the last
     stage's copy under ``use``. Both copies get the sum of their gradients and the same update
     (see :mod:`nobubble.update`).
+
+    With ``correction=predict`` every stage with a delay runs its steps at the weight prediction
+    ŵ instead (:mod:`nobubble.prediction`).
     """
 
     def __init__(
@@ -96,6 +98,11 @@ class DelayedTrainer:
         tied: tuple[str, str] | None = None,
     ) -> None:
         self.stores = [VersionStore(params) for params in stage_params]
+        predict = "predict" in chosen_corrections(cfg)
+        self.points = [
+            StepWeights(store, delay, predict)
+            for store, delay in zip(self.stores, delays, strict=True)
+        ]
         self.delays, self.optimizer, self.micro_loss, self.cfg = (
             list(delays),
             optimizer,
@@ -108,35 +115,25 @@ class DelayedTrainer:
         self.step = 0
 
     def train_step(self, microbatches: Sequence[torch.Tensor]) -> StepStats:
-        t = self.step
-        used = [gradient_version(t, d) for d in self.delays]
+        cfg, t = self.cfg, self.step
         weights: Weights = {}
-        for stage, (store, version) in enumerate(zip(self.stores, used, strict=True)):
-            weights.update(self._uses(stage, store[version]))
+        for stage, point in enumerate(self.points):
+            weights.update(self._uses(stage, point.at(t)))
         total = 0.0
-        versions = versions_label(used)
-        for index, micro in enumerate(microbatches):
-            number = t * len(microbatches) + index  # over the run, as in the schedule's picture
-            with label(f"F mb{number}", versions):
-                loss = self.micro_loss(weights, micro)
-            with label(f"B mb{number}", versions):
-                (loss / len(microbatches)).backward()
+        for micro in microbatches:
+            loss = self.micro_loss(weights, micro)
+            (loss / len(microbatches)).backward()
             total += loss.item()
-        with label(f"STEP v{t + 1}"):
-            return self._update(t, total / len(microbatches))
 
-    def _update(self, t: int, loss: float) -> StepStats:
-        """Step ``t``'s update, once its gradients are complete."""
-        cfg = self.cfg
-        for stage, store in enumerate(self.stores):
-            take_gradients(store, t, self.delays[stage])
+        for point in self.points:
+            point.take_gradients(t)
         if self.tied:
             self._sum_tied_gradients()
         norms, skipped = [], []
         for stage, store in enumerate(self.stores):
             tied = self.tied[0] if self.tied and stage in (0, len(self.stores) - 1) else None
             norm, ok = prepare_step(
-                store, t, self.delays[stage], cfg.grad_clip, tied, reports_tied=stage == 0
+                store, t, self.points[stage].history, cfg.grad_clip, tied, reports_tied=stage == 0
             )
             norms.append(norm)
             if not ok:
@@ -145,7 +142,7 @@ class DelayedTrainer:
         if self.tied:
             self._copy_tied_update()
         self.step += 1
-        return StepStats(t, loss, combined_norm(norms), lr, skipped)
+        return StepStats(t, total / len(microbatches), combined_norm(norms), lr, skipped)
 
     def _uses(self, stage: int, weights: Weights) -> Weights:
         """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""
@@ -190,8 +187,9 @@ class DelayedTrainer:
         """Continue from a checkpoint: ``tensors`` as :meth:`checkpoint_tensors` (from any split
         into stages), ``state`` as :meth:`checkpoint_state` (optimizer state by name)."""
         self.step = state["step"]
-        for store, delay in zip(self.stores, self.delays, strict=True):
-            store.load(versions_from_tensors(tensors, store.params, self.step, delay))
+        for point in self.points:
+            store = point.store
+            store.load(versions_from_tensors(tensors, store.params, self.step, point.history))
         load_named_state(self.optimizer, state["optimizer"])
 
 
@@ -210,8 +208,6 @@ class SimulatedEngine:
             )
         self.cfg, self.device = cfg, device
         self.model = build_model(mc, cfg.seed).to(device)
-        apply_stage_options(self.model, cfg, device)
-        self.profiler = OFF
         params = dict(self.model.named_parameters())
         specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
         stage_params = [
@@ -251,14 +247,10 @@ class SimulatedEngine:
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         while self.step < stop and not should_stop():
-            step = self.step
-            self.profiler.before_step(step)
             batch = next_batch().to(self.device)
             on_step(self.trainer.train_step(batch.chunk(self.cfg.microbatches)))
-            self.profiler.after_step(step)
 
     @torch.no_grad()
-    @labelled("evaluate")
     def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor) -> EvalSums:
         sums = EvalSums()
         for batch in batches:
@@ -282,31 +274,25 @@ class SimulatedEngine:
         self.trainer.restore(tensors, state)
 
 
-def versions_label(versions: Sequence[int]) -> str:
-    """``v5`` when every stage uses version 5, else each stage's (``v3,4,5``: pipedream)."""
-    if len(set(versions)) == 1:
-        return f"v{versions[0]}"
-    return "v" + ",".join(map(str, versions))
-
-
 def versions_from_tensors(
-    tensors: Weights, params: dict[str, torch.Tensor], step: int, delay: int
+    tensors: Weights, params: dict[str, torch.Tensor], step: int, history: int
 ) -> dict[int, Weights]:
-    """Invert ``checkpoint_tensors`` for the parameters ``params`` of a stage with gradient delay
-    ``delay`` at ``step``: it must find exactly the versions max(step - delay, 0) .. step of
-    every parameter, those that the stage holds after ``step`` updates."""
+    """Invert ``checkpoint_tensors`` for the parameters ``params`` of a stage that keeps its
+    versions ``history`` steps back (:attr:`StepWeights.history`) at ``step``: it must find
+    exactly the versions max(step - history, 0) .. step of every parameter, those that the stage
+    holds after ``step`` updates."""
     found: dict[int, Weights] = {}
     for key, tensor in tensors.items():
         version, name = key.split("/", 1)
         if name in params:
             found.setdefault(int(version[1:]), {})[name] = tensor
-    needed = list(range(gradient_version(step, delay), step + 1))
+    needed = list(range(gradient_version(step, history), step + 1))
     for name in params:
         held = sorted(v for v, weights in found.items() if name in weights)
         if held != needed:
             raise CheckpointError(
                 f"the checkpoint of step {step} holds weight versions {held} of {name}, and a "
-                f"stage with gradient delay {delay} needs versions {needed}: it was saved under "
-                "another schedule or stage split"
+                f"stage that keeps {history} steps of history needs versions {needed}: it was "
+                "saved under another schedule, stage split or correction"
             )
     return {v: found[v] for v in needed}

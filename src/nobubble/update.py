@@ -3,8 +3,8 @@
 A step's update runs in three parts, so that a pipeline stage can reduce its gradient across data
 parallel replicas (or with a tied copy) between the first two while it computes something else:
 
-1. :func:`take_gradients`: the gradient of step ``t``, accumulated on the weight version it was
-   computed at, moves onto the optimizer's parameters.
+1. :meth:`nobubble.prediction.StepWeights.take_gradients`: the gradient of step ``t``,
+   accumulated on the weights it was computed at, moves onto the optimizer's parameters.
 2. :func:`prepare_step`: clip (or drop a non-finite gradient, so the optimizer skips the stage),
    release versions nobody will read again, and make the newest version the step's target
    (copying it first if an in-flight microbatch still reads it).
@@ -40,21 +40,18 @@ from nobubble.optim import clip_grad_norm, lr_at, set_lr
 from nobubble.versions import VersionStore
 
 
-def take_gradients(store: VersionStore, step: int, delay: int) -> None:
-    """Move step ``step``'s gradient onto the optimizer's parameters of ``store``."""
-    store.take_gradients(gradient_version(step, delay))
-
-
 def prepare_step(
     store: VersionStore,
     step: int,
-    delay: int,
+    history: int,
     grad_clip: float,
     tied: str | None = None,
     reports_tied: bool = False,
 ) -> tuple[float, bool]:
     """Clip the stage's gradient and set up the versions for the optimizer step of ``step``.
 
+    ``history``: how many steps back the stage keeps its versions (its gradient delay; one more
+    under weight prediction: :attr:`nobubble.prediction.StepWeights.history`).
     ``tied``: the name of the tied weight if this stage holds one of its two copies (its gradient
     already summed over both); ``reports_tied``: whether the returned norm includes it (the
     first stage's does). Returns (gradient norm before clipping, whether the stage's update goes
@@ -64,8 +61,8 @@ def prepare_step(
         norm, ok = clip_stage(store.params.values(), grad_clip)
     else:
         norm, ok = clip_with_tied(store.params, tied, grad_clip, reports_tied)
-    store.release_older_than(gradient_version(step + 1, delay))
-    store.begin_step(still_needed=delay > 0)
+    store.release_older_than(gradient_version(step + 1, history))
+    store.begin_step(still_needed=history > 0)
     return norm, ok
 
 

@@ -67,20 +67,34 @@ class VersionStore:
         current = self.versions.pop(self.newest)
         if still_needed:
             self.versions[self.newest] = current
-            target = (
-                self.free.pop()
-                if self.free
-                else {n: torch.empty_like(t) for n, t in current.items()}
-            )
+            target = self.spare()
             with torch.no_grad():
                 for name, tensor in target.items():
                     tensor.copy_(current[name])
-                    tensor.requires_grad_(True)
             current = target
             self._point_params_at(current)
         self.newest += 1
         self.versions[self.newest] = current
         return self.newest
+
+    def spare(self) -> Weights:
+        """A set of leaf buffers shaped like the parameters, to overwrite: a free one if any."""
+        if self.free:
+            return self.free.pop()
+        return {n: torch.empty_like(p).requires_grad_(True) for n, p in self.params.items()}
+
+    def take(self, version: int) -> Weights:
+        """Hand ``version``'s buffers over to the caller, who may overwrite them (it is no
+        longer held)."""
+        if version == self.newest:
+            raise RuntimeError(f"version {version} is the optimizer's and cannot be handed over")
+        weights = self[version]
+        del self.versions[version]
+        return weights
+
+    def recycle(self, weights: Weights) -> None:
+        """Buffers obtained from :meth:`spare` or :meth:`take` that nobody reads any more."""
+        self.free.append(weights)
 
     def release(self, version: int) -> None:
         """Nothing will use ``version`` again: keep its buffer for reuse."""

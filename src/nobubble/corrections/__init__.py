@@ -31,6 +31,7 @@ from nobubble.corrections import spike
 from nobubble.corrections.dc import DelayCompensation
 from nobubble.corrections.nesterov import NesterovCorrection
 from nobubble.corrections.spike import SpikeCompensation
+from nobubble.delay import stage_delays
 from nobubble.optim.composite import OptimizerLike
 from nobubble.optim.ef import ErrorFeedback
 
@@ -181,5 +182,40 @@ register(
         source="Zheng et al., ICML 2017, arXiv 1609.08326",
         refuses=_dc_refuses,
         wrap=lambda opt, cfg, delays: DelayCompensation(opt, cfg.dc_lambda, delays()),
+    )
+)
+
+# -- weight-side corrections ---------------------------------------------------------------------
+
+
+def _predict_refuses(cfg: TrainConfig) -> str | None:
+    if max(stage_delays(cfg.schedule, cfg.stages)) == 0:
+        return (
+            f"{cfg.schedule} with stages={cfg.stages} has no gradient delay to extrapolate over "
+            "(every step would run at its weights themselves, a plain run under another name); "
+            "use schedule=2bw, or pipedream with stages >= 2, or drop predict"
+        )
+    return None
+
+
+register(
+    Correction(
+        name="predict",
+        acts_on="weights",
+        rule=(
+            "F and B of step t run at ŵ[t] = w[c] + D·(w[c] - w[c-1]), c = max(t - D, 0), "
+            "w[-1] = w[0]; the gradient is applied to the true w[t]"
+        ),
+        memory=(
+            "1 weight copy per stage under 2bw (3 instead of 2: ŵ of the step in flight, the "
+            "next ŵ or w[t-1], w[t]); pipedream: D+2 versions plus ŵ per step in flight"
+        ),
+        needs="nothing (any optimizer)",
+        schedules="2bw (D = 1), pipedream (D = P-1-s); refused where every delay is 0",
+        source=(
+            "weight prediction as in SpecTrain (Chen et al. 2018, arXiv 1809.02839) and Kosson "
+            "et al. (arXiv 2003.11666), which extrapolate the momentum; here the applied change"
+        ),
+        refuses=_predict_refuses,
     )
 )

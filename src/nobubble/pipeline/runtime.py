@@ -5,6 +5,8 @@ The stage owns a slice of the model (:class:`nobubble.model.Stage`) and its weig
 version its action names and every B with the same one (weight stashing through
 ``functional_call``, never an in-place swap); a STEP clips, steps the optimizer on the newest
 version and, when microbatches in flight still need it, first copies it (two versions under 2bw).
+With weight prediction every F and B of a step runs at its prediction ŵ instead, formed at the
+step's first F from the versions held then (:mod:`nobubble.prediction`).
 
 With data parallelism the replicas of a stage average their gradient at every STEP
 (:mod:`nobubble.pipeline.replicas`); the rest of that STEP's update waits until an action needs the
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from nobubble.config import TrainConfig
+from nobubble.config import TrainConfig, chosen_corrections
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
@@ -46,11 +48,10 @@ from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
 from nobubble.pipeline.replicas import PendingReduction, ReplicaReduction, replica_rows
-from nobubble.profiling import OFF, action_label, label, labelled
+from nobubble.prediction import StepWeights
 from nobubble.schedules import Action, ActionKind, generate, lower
 from nobubble.simulated import autocast, versions_from_tensors
-from nobubble.stage_options import apply_stage_options
-from nobubble.update import optimizer_step, prepare_step, take_gradients
+from nobubble.update import optimizer_step, prepare_step
 from nobubble.versions import VersionStore
 
 RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
@@ -105,12 +106,11 @@ class PipelineEngine:
         self.spec = specs[layout.stage]
         self.first, self.last = self.spec.has_embed, self.spec.has_head
         self.module = Stage(mc, self.spec, cfg.seed).to(device)
-        apply_stage_options(self.module, cfg, device)
-        self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
         params = dict(self.module.named_parameters())
         self.store = VersionStore(params)
         self.optimizer = build_optimizer(list(params.items()), cfg)
         self.delay = stage_delays(cfg.schedule, cfg.stages)[layout.stage]
+        self.point = StepWeights(self.store, self.delay, "predict" in chosen_corrections(cfg))
         self.messenger = Messenger(layout, cfg.p2p_timeout_s)
         self.hidden_shape = (cfg.microbatch_size() // layout.dp, cfg.seq_len, mc.d_model)
         self.reduction = (
@@ -128,7 +128,6 @@ class PipelineEngine:
                 cfg.p2p_timeout_s,
                 layout.name(),
                 "the all-reduce of the tied weight with the other stages that hold a copy",
-                "tied all-reduce",
             )
             if self.tied_name
             else None
@@ -168,15 +167,12 @@ class PipelineEngine:
         index = 0
         while index < len(actions):
             action = actions[index]
-            if action.step > run.cleared:  # this stage's first action of the step
-                self.profiler.before_step(action.step)
-                if not run.clear(action.step, should_stop):
-                    actions = actions[:index] + [a for a in actions[index:] if a.step < action.step]
-                    continue
+            if action.step > run.cleared and not run.clear(action.step, should_stop):
+                actions = actions[:index] + [a for a in actions[index:] if a.step < action.step]
+                continue
             run.finish_update_before(action)
             run.post_receives(actions, index)
-            with action_label(action):
-                run.execute(action)
+            run.execute(action)
             index += 1
         run.finish_update()
         run.count_remaining_votes()
@@ -188,9 +184,9 @@ class PipelineEngine:
         """The rest of the STEP action, once the gradient is complete (and averaged over the
         replicas): clip -> optimizer on the newest version."""
         norm, ok = prepare_step(
-            self.store, step, self.delay, self.cfg.grad_clip, self.tied_name, self.first
+            self.store, step, self.point.history, self.cfg.grad_clip, self.tied_name, self.first
         )
-        self.versions_peak = max(self.versions_peak, len(self.store.held()))
+        self.versions_peak = max(self.versions_peak, self.point.copies())
         lr = optimizer_step(self.optimizer, step, self.cfg)
         self.step = step + 1
         return norm, ok, lr
@@ -235,7 +231,6 @@ class PipelineEngine:
     # -- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    @labelled("evaluate")
     def evaluate(
         self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor | None
     ) -> EvalSums:
@@ -316,7 +311,8 @@ class PipelineEngine:
         """Continue from a checkpoint of any layout: ``tensors`` and ``state`` hold (at least)
         this stage's parameters by name; other parameters are not looked at."""
         self.step = state["step"]
-        self.store.load(versions_from_tensors(tensors, self.store.params, self.step, self.delay))
+        history = self.point.history
+        self.store.load(versions_from_tensors(tensors, self.store.params, self.step, history))
         load_named_state(self.optimizer, state["optimizer"], skip_unowned=True)
 
 
@@ -499,7 +495,7 @@ class _Segment:
         else:
             x = self.received(ActionKind.RECV_ACT, action.microbatch).requires_grad_(True)
         with autocast(e.device, e.cfg.dtype):
-            out = functional_call(e.module, e.store[action.version], (x,))
+            out = functional_call(e.module, e.point.at(action.step), (x,))
         if e.last:
             out = lm_loss(out, rows[:, 1:])
             self.losses[action.step] = self.losses.get(action.step, 0.0) + out.detach().double()
@@ -519,7 +515,7 @@ class _Segment:
         """The STEP action: the gradient is complete; average it over the replicas and sum the
         tied weight's with the other stage's (in the background), or apply the update now."""
         e = self.e
-        take_gradients(e.store, step, e.delay)
+        e.point.take_gradients(step)
         total = self.losses.pop(step, None)
         if e.reduction is None and e.tied is None:
             self.apply(step, total)
@@ -544,13 +540,12 @@ class _Segment:
         if self.pending is None:
             return
         e, pending, self.pending = self.e, self.pending, None
-        with label(f"STEP v{pending.step + 1} update"):
-            total = pending.total
-            if pending.replicas is not None:
-                total = e.reduction.finish(pending.replicas, e.reduced)
-            if pending.tied is not None:
-                e.tied.finish(pending.tied, [e.store.params[e.tied_name]])
-            self.apply(pending.step, total)
+        total = pending.total
+        if pending.replicas is not None:
+            total = e.reduction.finish(pending.replicas, e.reduced)
+        if pending.tied is not None:
+            e.tied.finish(pending.tied, [e.store.params[e.tied_name]])
+        self.apply(pending.step, total)
 
     def apply(self, step: int, total: torch.Tensor | None) -> None:
         """Clip, step the optimizer and report the step's statistics to the first stage."""
@@ -558,15 +553,9 @@ class _Segment:
         norm, ok, lr = e.apply_step(step)
         loss = math.nan if total is None else total.item() / e.micro_per_step
         report = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
-        if e.layout.is_first_stage:
-            self.gather_stats(step, report, lr)
-        else:
+        if not e.layout.is_first_stage:
             e.messenger.send(report.to(e.device), 0, Channel.STATS, step)
-        e.profiler.after_step(step)
-
-    def gather_stats(self, step: int, report: torch.Tensor, lr: float) -> None:
-        """The first stage: every stage's statistics of ``step``, to ``on_step``."""
-        e = self.e
+            return
         reports = [report]
         for peer in range(1, e.layout.pp):
             reports.append(
