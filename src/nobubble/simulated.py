@@ -42,6 +42,8 @@ from nobubble.model import (
 from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.prediction import StepWeights
+from nobubble.profiling import OFF, label, labelled
+from nobubble.stage_options import apply_stage_options
 from nobubble.update import combined_norm, optimizer_step, prepare_step
 from nobubble.versions import VersionStore, Weights
 
@@ -115,16 +117,26 @@ class DelayedTrainer:
         self.step = 0
 
     def train_step(self, microbatches: Sequence[torch.Tensor]) -> StepStats:
-        cfg, t = self.cfg, self.step
+        t = self.step
+        used = [gradient_version(t, d) for d in self.delays]
         weights: Weights = {}
         for stage, point in enumerate(self.points):
             weights.update(self._uses(stage, point.at(t)))
         total = 0.0
-        for micro in microbatches:
-            loss = self.micro_loss(weights, micro)
-            (loss / len(microbatches)).backward()
+        versions = versions_label(used)
+        for index, micro in enumerate(microbatches):
+            number = t * len(microbatches) + index  # over the run, as in the schedule's picture
+            with label(f"F mb{number}", versions):
+                loss = self.micro_loss(weights, micro)
+            with label(f"B mb{number}", versions):
+                (loss / len(microbatches)).backward()
             total += loss.item()
+        with label(f"STEP v{t + 1}"):
+            return self._update(t, total / len(microbatches))
 
+    def _update(self, t: int, loss: float) -> StepStats:
+        """Step ``t``'s update, once its gradients are complete."""
+        cfg = self.cfg
         for point in self.points:
             point.take_gradients(t)
         if self.tied:
@@ -142,7 +154,7 @@ class DelayedTrainer:
         if self.tied:
             self._copy_tied_update()
         self.step += 1
-        return StepStats(t, total / len(microbatches), combined_norm(norms), lr, skipped)
+        return StepStats(t, loss, combined_norm(norms), lr, skipped)
 
     def _uses(self, stage: int, weights: Weights) -> Weights:
         """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""
@@ -208,6 +220,8 @@ class SimulatedEngine:
             )
         self.cfg, self.device = cfg, device
         self.model = build_model(mc, cfg.seed).to(device)
+        apply_stage_options(self.model, cfg, device)
+        self.profiler = OFF
         params = dict(self.model.named_parameters())
         specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
         stage_params = [
@@ -247,10 +261,14 @@ class SimulatedEngine:
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         while self.step < stop and not should_stop():
+            step = self.step
+            self.profiler.before_step(step)
             batch = next_batch().to(self.device)
             on_step(self.trainer.train_step(batch.chunk(self.cfg.microbatches)))
+            self.profiler.after_step(step)
 
     @torch.no_grad()
+    @labelled("evaluate")
     def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor) -> EvalSums:
         sums = EvalSums()
         for batch in batches:
@@ -272,6 +290,13 @@ class SimulatedEngine:
 
     def restore(self, tensors: Weights, state: dict[str, Any]) -> None:
         self.trainer.restore(tensors, state)
+
+
+def versions_label(versions: Sequence[int]) -> str:
+    """``v5`` when every stage uses version 5, else each stage's (``v3,4,5``: pipedream)."""
+    if len(set(versions)) == 1:
+        return f"v{versions[0]}"
+    return "v" + ",".join(map(str, versions))
 
 
 def versions_from_tensors(

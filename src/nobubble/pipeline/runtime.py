@@ -49,8 +49,10 @@ from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
 from nobubble.pipeline.replicas import PendingReduction, ReplicaReduction, replica_rows
 from nobubble.prediction import StepWeights
+from nobubble.profiling import OFF, action_label, label, labelled
 from nobubble.schedules import Action, ActionKind, generate, lower
 from nobubble.simulated import autocast, versions_from_tensors
+from nobubble.stage_options import apply_stage_options
 from nobubble.update import optimizer_step, prepare_step
 from nobubble.versions import VersionStore
 
@@ -106,6 +108,8 @@ class PipelineEngine:
         self.spec = specs[layout.stage]
         self.first, self.last = self.spec.has_embed, self.spec.has_head
         self.module = Stage(mc, self.spec, cfg.seed).to(device)
+        apply_stage_options(self.module, cfg, device)
+        self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
         params = dict(self.module.named_parameters())
         self.store = VersionStore(params)
         self.optimizer = build_optimizer(list(params.items()), cfg)
@@ -128,6 +132,7 @@ class PipelineEngine:
                 cfg.p2p_timeout_s,
                 layout.name(),
                 "the all-reduce of the tied weight with the other stages that hold a copy",
+                "tied all-reduce",
             )
             if self.tied_name
             else None
@@ -167,12 +172,15 @@ class PipelineEngine:
         index = 0
         while index < len(actions):
             action = actions[index]
-            if action.step > run.cleared and not run.clear(action.step, should_stop):
-                actions = actions[:index] + [a for a in actions[index:] if a.step < action.step]
-                continue
+            if action.step > run.cleared:  # this stage's first action of the step
+                self.profiler.before_step(action.step)
+                if not run.clear(action.step, should_stop):
+                    actions = actions[:index] + [a for a in actions[index:] if a.step < action.step]
+                    continue
             run.finish_update_before(action)
             run.post_receives(actions, index)
-            run.execute(action)
+            with action_label(action):
+                run.execute(action)
             index += 1
         run.finish_update()
         run.count_remaining_votes()
@@ -231,6 +239,7 @@ class PipelineEngine:
     # -- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
+    @labelled("evaluate")
     def evaluate(
         self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor | None
     ) -> EvalSums:
@@ -540,12 +549,13 @@ class _Segment:
         if self.pending is None:
             return
         e, pending, self.pending = self.e, self.pending, None
-        total = pending.total
-        if pending.replicas is not None:
-            total = e.reduction.finish(pending.replicas, e.reduced)
-        if pending.tied is not None:
-            e.tied.finish(pending.tied, [e.store.params[e.tied_name]])
-        self.apply(pending.step, total)
+        with label(f"STEP v{pending.step + 1} update"):
+            total = pending.total
+            if pending.replicas is not None:
+                total = e.reduction.finish(pending.replicas, e.reduced)
+            if pending.tied is not None:
+                e.tied.finish(pending.tied, [e.store.params[e.tied_name]])
+            self.apply(pending.step, total)
 
     def apply(self, step: int, total: torch.Tensor | None) -> None:
         """Clip, step the optimizer and report the step's statistics to the first stage."""
@@ -553,9 +563,15 @@ class _Segment:
         norm, ok, lr = e.apply_step(step)
         loss = math.nan if total is None else total.item() / e.micro_per_step
         report = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
-        if not e.layout.is_first_stage:
+        if e.layout.is_first_stage:
+            self.gather_stats(step, report, lr)
+        else:
             e.messenger.send(report.to(e.device), 0, Channel.STATS, step)
-            return
+        e.profiler.after_step(step)
+
+    def gather_stats(self, step: int, report: torch.Tensor, lr: float) -> None:
+        """The first stage: every stage's statistics of ``step``, to ``on_step``."""
+        e = self.e
         reports = [report]
         for peer in range(1, e.layout.pp):
             reports.append(
