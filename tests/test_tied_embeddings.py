@@ -319,15 +319,12 @@ SMOLLM2 += ["grad_clip=0"]
 
 
 @pytest.mark.slow
-def test_smollm2_135m_pipelines_over_2_and_4_stages(tmp_path):
-    """The published SmolLM2-135M shape (tied, 30 blocks, vocabulary 49152), two 2bw steps, on 2
-    and on 4 stages. Without clipping (the only rule that depends on the split) the simulator's
-    arithmetic does not depend on the number of stages, so one simulated run (stages=2) is the
-    reference for both."""
-    nobubble(tmp_path / "simulated", *SMOLLM2, "stages=2", timeout=900)
+def test_smollm2_135m_pipelines_over_4_stages(tmp_path):
+    """The published SmolLM2-135M shape (tied, 30 blocks, vocabulary 49152), two 2bw steps on 4
+    stages (first, two middle, last) against the simulator. Two stages add no path the tiny tied
+    parity cases above miss, and a run of this size costs CI most of a minute."""
+    nobubble(tmp_path / "simulated", *SMOLLM2, "stages=4", timeout=900)
     assert all(math.isfinite(loss) for loss in losses(tmp_path / "simulated")[0])
-    for stages in (2, 4):
-        run = tmp_path / f"pipeline-{stages}"
-        nobubble(run, *SMOLLM2, f"stages={stages}", stages=stages, timeout=900)
-        assert_same_run(run, tmp_path / "simulated")
-        assert_copies_equal(run, stages)
+    nobubble(tmp_path / "pipeline", *SMOLLM2, "stages=4", stages=4, timeout=900)
+    assert_same_run(tmp_path / "pipeline", tmp_path / "simulated")
+    assert_copies_equal(tmp_path / "pipeline", 4)
