@@ -133,6 +133,20 @@ def test_nesterov_matches_formula(settings):
     assert run(cfg, 5, delay=1) == pytest.approx(w, rel=1e-12)
 
 
+def test_nesterov_on_plain_sgd_is_ema_nesterov_momentum():
+    """With Δ = η·g: w[t+1] = w[t] - η·((1 - γ)·g[t] + γ·m[t]), m[t] = γ·m[t-1] + (1 - γ)·g[t]."""
+    gamma, lr = 0.8, 0.1
+    w, m, history = list(W0), [0.0, 0.0], [list(W0)]
+    for t in range(5):
+        g = grad(history[max(t - 1, 0)])
+        m = [gamma * mi + (1 - gamma) * gi for mi, gi in zip(m, g, strict=True)]
+        w = [wi - lr * ((1 - gamma) * gi + gamma * mi) for wi, gi, mi in zip(w, g, m, strict=True)]
+        history.append(w)
+    cfg = TrainConfig(optim="sgd", lr=lr, momentum=0.0, weight_decay=0.0)
+    cfg.correction, cfg.nesterov_gamma = "nesterov", gamma
+    assert run(cfg, 5, delay=1) == pytest.approx(w, rel=1e-12)
+
+
 def test_nesterov_gamma_zero_is_the_base_optimizer_bitwise():
     base = run(TrainConfig(**ADAMW), 4, delay=1)
     assert run(TrainConfig(**ADAMW, correction="nesterov", nesterov_gamma=0.0), 4, 1) == base
