@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from nobubble.config import ConfigError, TrainConfig, chosen_corrections
-from nobubble.corrections import spike
 from nobubble.corrections.dc import DelayCompensation
 from nobubble.corrections.nesterov import NesterovCorrection
+from nobubble.corrections.spike import SUPPORTED as SPIKE_OPTIMIZERS
 from nobubble.corrections.spike import SpikeCompensation
 from nobubble.delay import stage_delays
 from nobubble.optim.composite import OptimizerLike
@@ -50,7 +50,7 @@ class Correction:
     schedules: str  # the schedules it is meant for
     source: str
     refuses: Callable[[TrainConfig], str | None] = lambda cfg: None  # why not, or None
-    wrap: Wrap | None = None  # update corrections: the optimizer -> the corrected optimizer
+    wrap: Wrap | None = None  # update and gradient ones: optimizer -> corrected optimizer
 
 
 REGISTRY: dict[str, Correction] = {}
@@ -96,9 +96,8 @@ def wrap_optimizer(
 def parameter_delays(names: list[str], cfg: TrainConfig) -> dict[str, int]:
     """Each parameter's gradient delay under ``cfg``'s schedule and stage split, from its name
     (the names are the same in both backends)."""
-    from nobubble.delay import stage_delays
     from nobubble.model import model_config, partition
-    from nobubble.simulated import stage_parameter_names
+    from nobubble.simulated import stage_parameter_names  # the simulator imports the optimizers
 
     delays = stage_delays(cfg.schedule, cfg.stages)
     if len(set(delays)) == 1:
@@ -110,10 +109,10 @@ def parameter_delays(names: list[str], cfg: TrainConfig) -> dict[str, int]:
 
 
 def _spike_refuses(cfg: TrainConfig) -> str | None:
-    if cfg.optim not in spike.SUPPORTED:
+    if cfg.optim not in SPIKE_OPTIMIZERS:
         return (
             f"spike compensation is defined for optimizers whose update is linear in the "
-            f"momentum ({', '.join(spike.SUPPORTED)}); {cfg.optim} is not (docs/corrections.md)"
+            f"momentum ({', '.join(SPIKE_OPTIMIZERS)}); {cfg.optim} is not (docs/corrections.md)"
         )
     if cfg.optim == "sgd" and cfg.nesterov and cfg.momentum > 0:
         return "spike compensation is for heavy-ball momentum; set nesterov=false"
