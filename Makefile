@@ -6,7 +6,7 @@ ARGS ?=
 # `make test` installs every optional extra, so the tests of export, eval and the loggers run.
 TEST_EXTRAS := dev,hf,eval,tensorboard,wandb
 
-.PHONY: train test test-fast lint bootstrap bootstrap-test
+.PHONY: train test test-all test-fast lint bootstrap bootstrap-test
 
 bootstrap:
 	@VENV=$(VENV) scripts/bootstrap.sh
@@ -17,11 +17,16 @@ bootstrap-test:
 train: bootstrap
 	$(VENV)/bin/nobubble train $(ARGS)
 
+# make test: what CI runs (.ci/run); test-all adds the `extended` cases (more optimizers and
+# schedules over paths make test already covers); test-fast: no multi-process or long test.
 test: bootstrap-test
+	$(PY) -m pytest -q -m "not extended" $(ARGS)
+
+test-all: bootstrap-test
 	$(PY) -m pytest -q $(ARGS)
 
 test-fast: bootstrap-test
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not extended" $(ARGS)
 
 lint: bootstrap
 	$(VENV)/bin/ruff check src tests benchmarks experiments

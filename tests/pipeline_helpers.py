@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from nobubble.checkpoint import newest_weights
@@ -26,6 +27,10 @@ SMALL = [
     "lr=3e-3",
     "warmup_steps=2",
 ]
+# A case that repeats a path another case of `make test` already runs (another optimizer, another
+# schedule of the same family): `make test` leaves it out, `make test-all` runs it.
+EXTENDED = pytest.mark.extended
+
 # NOBUBBLE_TEST_DEVICE=cuda (or cpu) pins the device of every run that uses these settings;
 # unset, runs use device=auto (a GPU where one is visible). scripts/gpu_check.sh sets it to cuda
 # so that a missing GPU fails instead of falling back to the CPU.

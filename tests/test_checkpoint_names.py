@@ -30,6 +30,7 @@ from nobubble.optim.named_state import (
 )
 from nobubble.simulated import SimulatedEngine, stage_parameter_names
 from tests.pipeline_helpers import (
+    EXTENDED,
     SMALL,
     assert_same_run,
     env,
@@ -275,7 +276,9 @@ def test_a_checkpoint_continues_exactly_in_the_other_launcher(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "optim", [["optim=adamw", "ef=true"], ["optim=muon"]], ids=["adamw+ef", "muon"]
+    "optim",
+    [["optim=adamw", "ef=true"], pytest.param(["optim=muon"], marks=EXTENDED)],
+    ids=["adamw+ef", "muon"],
 )
 def test_a_2bw_pipeline_checkpoint_continues_exactly_on_twice_the_stages(tmp_path, optim):
     """2 stages -> 4 under torchrun equals the uninterrupted 4-stage run. The reference is the

@@ -23,6 +23,7 @@ import pytest
 
 from nobubble.config import ConfigError, build_config
 from tests.pipeline_helpers import (
+    EXTENDED,
     assert_same_run,
     env,
     final_weights,
@@ -63,11 +64,12 @@ def stage_reports(run) -> list[dict]:
 CASES = [
     # (stages, schedule, microbatches, extra settings)
     (2, "sync", 2, ["optim=adamw"]),
-    (2, "gpipe", 2, ["optim=muon"]),  # sync runs as 1f1b: another IR, the same semantics
-    (2, "2bw", 2, ["optim=adamw"]),
+    # sync runs as 1f1b: another IR, the same semantics
+    pytest.param(2, "gpipe", 2, ["optim=muon"], marks=EXTENDED),
+    pytest.param(2, "2bw", 2, ["optim=adamw"], marks=EXTENDED),  # the ef case's path, less EF
     (2, "2bw", 2, ["optim=adamw", "ef=true"]),
     (2, "2bw", 2, ["optim=muon"]),
-    (2, "2bw", 2, ["optim=muon", "ef=true"]),
+    pytest.param(2, "2bw", 2, ["optim=muon", "ef=true"], marks=EXTENDED),
     (2, "pipedream", 1, ["optim=adamw"]),
     (1, "sync", 2, ["optim=adamw"]),  # plain data parallelism: one stage, two replicas
 ]
