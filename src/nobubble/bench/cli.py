@@ -17,7 +17,15 @@ from typing import Any
 import torch
 
 import nobubble
-from nobubble.bench.report import dp_markdown, markdown, ordered, summarize, targets
+from nobubble.bench.report import (
+    dp_markdown,
+    markdown,
+    option_summary,
+    options_markdown,
+    ordered,
+    summarize,
+    targets,
+)
 from nobubble.bench.runner import (
     BUSY_CORES,
     MEMORY_STEPS,
@@ -26,7 +34,15 @@ from nobubble.bench.runner import (
     run_memory_pass,
     run_timed,
 )
-from nobubble.bench.variants import FIXED_SETTINGS, VARIANTS, Shape, Variant
+from nobubble.bench.variants import (
+    FIXED_SETTINGS,
+    OPTIONS,
+    VARIANTS,
+    Shape,
+    Variant,
+    option_sets,
+    with_options,
+)
 from nobubble.config import ConfigError, build_config, parse_overrides
 from nobubble.destinations import check_output_file, make_output_folder
 
@@ -69,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedules",
         default=",".join(VARIANTS),
         help=f"comma-separated variants (default: all of {', '.join(VARIANTS)})",
+    )
+    parser.add_argument(
+        "--options",
+        metavar="SETS",
+        help="also run each of our variants with these speed and memory options, e.g. "
+        "compile,ac,compile+ac (ac: activation_checkpointing), and report them against the "
+        "variant without them (default: none)",
     )
     parser.add_argument(
         "--busy-retries",
@@ -125,6 +148,8 @@ def common_settings(args: argparse.Namespace) -> list[str]:
     ]
     controlled = set(parse_overrides(ours)) | {f.name for f in dataclasses.fields(Shape)}
     controlled |= {"schedule", "out", "ef"}
+    if args.options:
+        controlled |= set(parse_overrides(OPTIONS.values()))
     clash = sorted(controlled & set(parse_overrides(args.overrides)))
     if clash:
         raise ConfigError(
@@ -228,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     args = resolve(args)
     try:
         variants = selected_variants(args.schedules)
+        if args.options:
+            variants = with_options(variants, option_sets(args.options))
         common = common_settings(args)
         shape: Shape = bench_shape(args)
         for variant in variants:  # every config error before the first launch
@@ -259,6 +286,13 @@ def run(args: argparse.Namespace) -> int:
             "but in the second hidden column; per-stage cells list stage 0 first:\n"
         )
         print(dp_markdown(summaries))
+    options = [option_summary(v.name, v.plain, results, memory) for v in variants if v.plain]
+    if options:
+        print(
+            "\nSpeed and memory options, each against the same variant without them (tokens/s: "
+            "median of the ratios of runs that ran back to back; memory per stage):\n"
+        )
+        print(options_markdown(options, memory is not None))
     if crowded:
         print("\n" + oversubscription_note(crowded))
     if args.json:
@@ -273,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
             "log": log,
             "summary": [dataclasses.asdict(s) for s in summaries],
             "targets": [dataclasses.asdict(t) for t in found],
+            "options": [dataclasses.asdict(o) for o in options],
         }
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     return 0

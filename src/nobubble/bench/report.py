@@ -119,6 +119,54 @@ def summarize(name: str, results: Results, memory: Results | None) -> VariantSum
     )
 
 
+@dataclass(frozen=True)
+class OptionSummary:
+    """A variant run with --options, against the same variant without them."""
+
+    name: str
+    plain: str
+    tokens_per_s: float
+    speed_ratio: float  # median over repeats of the paired ratio to the plain variant
+    peak_mem_mb: list[float]  # per stage: the memory pass's if there was one, else the timed runs'
+    memory_ratio: list[float]  # per stage, to the plain variant's
+    final_loss: float
+    plain_final_loss: float
+
+
+def option_summary(
+    name: str, plain: str, results: Results, memory: Results | None
+) -> OptionSummary:
+    peaks = memory or results
+    mine, theirs = _peak_mb(peaks[name]), _peak_mb(peaks[plain])
+    return OptionSummary(
+        name=name,
+        plain=plain,
+        tokens_per_s=_median([run.tokens_per_s for run in results[name]]),
+        speed_ratio=paired_ratio(results, name, plain),
+        peak_mem_mb=mine,
+        memory_ratio=[a / b for a, b in zip(mine, theirs, strict=True)],
+        final_loss=_median([run.final_loss for run in results[name]]),
+        plain_final_loss=_median([run.final_loss for run in results[plain]]),
+    )
+
+
+def options_markdown(rows: list[OptionSummary], memory_pass: bool) -> str:
+    """The --options table: every option set against the same variant without it."""
+    where = "memory pass" if memory_pass else "timed runs"
+    lines = [
+        f"| variant | tokens/s | × without | peak MB ({where}) | × without | final loss "
+        "| final loss without |",
+        "|---|---:|---:|---|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.name} | {r.tokens_per_s:,.0f} | {r.speed_ratio:.3f} "
+            f"| {_megabytes(r.peak_mem_mb)} | {_figures(r.memory_ratio, '.3f')} "
+            f"| {r.final_loss:.4f} | {r.plain_final_loss:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def memory_extra(results: Results, name: str, reference: str) -> list[float]:
     """Per stage, the median over repeats of ``name``'s peak memory minus ``reference``'s."""
     pairs = list(zip(results[name], results[reference], strict=True))

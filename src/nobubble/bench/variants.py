@@ -6,6 +6,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from nobubble.config import ConfigError
+
 NOBUBBLE, TORCH = "nobubble", "torch"
 BASELINE = "torch-1f1b"  # the ratios of the report are to this variant
 
@@ -16,6 +18,7 @@ class Variant:
     schedule: str  # our --schedule, or the torch schedule the worker runs
     backend: str = NOBUBBLE
     extra: tuple[str, ...] = ()  # key=value settings of this variant only
+    plain: str | None = None  # with --options: the variant it adds options to
 
 
 VARIANTS: dict[str, Variant] = {
@@ -30,6 +33,51 @@ VARIANTS: dict[str, Variant] = {
         Variant(BASELINE, "1f1b", TORCH),
     )
 }
+
+
+# --options: the speed and memory options a variant can be measured with, and their settings
+OPTIONS = {"compile": "compile=true", "ac": "activation_checkpointing=true"}
+OPTION_ALIASES = {"activation_checkpointing": "ac"}
+
+
+def option_sets(spec: str) -> list[tuple[str, ...]]:
+    """``compile,ac,compile+ac`` as option sets; a :class:`ConfigError` names unknown ones."""
+    sets = []
+    for entry in (e.strip() for e in spec.split(",") if e.strip()):
+        names = [OPTION_ALIASES.get(n.strip(), n.strip()) for n in entry.split("+")]
+        unknown = [n for n in names if n not in OPTIONS]
+        if unknown or len(set(names)) != len(names):
+            raise ConfigError(
+                f"--options entry {entry!r}: each entry is one or more of {', '.join(OPTIONS)} "
+                "(ac: activation_checkpointing) joined by +, e.g. compile,ac,compile+ac"
+            )
+        sets.append(tuple(names))
+    if not sets:
+        raise ConfigError("--options is empty; e.g. --options compile,ac,compile+ac")
+    return sets
+
+
+def with_options(variants: list[Variant], sets: list[tuple[str, ...]]) -> list[Variant]:
+    """Each of our variants, followed by itself with every option set (torch's baselines run
+    as they are: the options are nobubble's)."""
+    if not any(v.backend == NOBUBBLE for v in variants):
+        raise ConfigError("--options measures nobubble's variants: select at least one")
+    expanded = []
+    for variant in variants:
+        expanded.append(variant)
+        if variant.backend != NOBUBBLE:
+            continue
+        for names in sets:
+            expanded.append(
+                Variant(
+                    f"{variant.name}+{'+'.join(names)}",
+                    variant.schedule,
+                    variant.backend,
+                    variant.extra + tuple(OPTIONS[n] for n in names),
+                    plain=variant.name,
+                )
+            )
+    return expanded
 
 
 @dataclass(frozen=True)
