@@ -5,14 +5,15 @@ Without a correction, stage s with gradient delay d runs step t at its version c
 
     ŵ[t] = w[c] + d·(w[c] - w[c-1]),    w[-1] = w[0]
 
-the newest weights the stage has when step t's forwards start, moved on by d copies of the
-newest change it has applied: w[c+1] (the update of step c) is not computed yet at that moment in
-a real pipeline, so it never enters ŵ, in either backend (under 2bw: c = t-1, ŵ[t] = 2·w[t-1] -
-w[t-2]; the simulator, which has already stepped t-1 when step t starts, reads only versions
-t-1 and t-2). The gradient computed at ŵ[t] is applied to the true weights (the optimizer's
-parameters, version t); ŵ[t] is what the backward of every microbatch of step t reads (it takes
-the place of the stashed version). A stage with delay 0 runs at its version as before: there ŵ
-would be w[t].
+the version step t would run at without prediction, moved on by d copies of the change that
+made it. w[c+1] never enters ŵ: the first stage of a real pipeline starts step t's forwards
+before that update exists (under 2bw: c = t-1, ŵ[t] = 2·w[t-1] - w[t-2], and the update of step
+t-1 needs all of step t-1's backwards), and every stage follows the same rule: the last stage,
+which has stepped t-1 before its first forward of step t, and the simulator, which has stepped
+t-1 before step t starts, read versions c and c-1 only. The gradient computed at ŵ[t] is
+applied to the true weights (the optimizer's parameters, version t); ŵ[t] is what the backward
+of every microbatch of step t reads (it takes the place of the stashed version). A stage with
+delay 0 runs at its version as before: there ŵ would be w[t].
 
 Memory: the stage keeps its true versions one step further back (w[c-1] until ŵ[t] is formed, so
 d+2 versions instead of d+1) and holds ŵ of every step in flight. ŵ[t] is formed in the buffer of
