@@ -14,6 +14,8 @@ from nobubble.corrections import REGISTRY, parameter_delays
 from nobubble.corrections.spike import SpikeCompensation
 from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import decode, encode, load_named_state, named_state
+from tests.test_delay_exact import column, quadratic_trainer
+from tests.test_delay_exact import run as run_steps
 
 A = (2.0, 0.5)  # curvatures
 W0 = (1.0, -2.0)
@@ -283,3 +285,36 @@ def test_every_update_correction_is_registered_with_its_facts():
         correction = REGISTRY[name]
         assert correction.wrap is not None
         assert correction.rule and correction.memory and correction.needs and correction.source
+
+
+# -- with predict (the gradient at ŵ, the update corrected) -------------------------------------
+
+
+def _predicted_points(weights: list[float], t: int) -> float:
+    """ŵ[t] = w[c] + (w[c] - w[c-1]), c = max(t - 1, 0), w[-1] = w[0] (2bw)."""
+    newer, older = weights[max(t - 1, 0)], weights[max(t - 2, 0)]
+    return 2 * newer - older
+
+
+def test_nesterov_and_spike_combine_with_predict():
+    """One scalar, f = ½·w², lr 0.5 (tests/test_delay_exact.py): the gradient is ŵ[t]."""
+    gamma = 0.5
+    trainer = quadratic_trainer(
+        [1], correction="nesterov+predict", nesterov_gamma=gamma, schedule="2bw"
+    )
+    weights, u = [1.0], 0.0
+    for t in range(5):
+        delta = 0.5 * _predicted_points(weights, t)
+        u = gamma * u + (1 - gamma) * delta
+        weights.append(weights[-1] - gamma * u - (1 - gamma) * delta)
+    assert column(run_steps(trainer, 5), 0) == pytest.approx(weights, rel=1e-12, abs=1e-12)
+
+    b1, b2, eps = 0.9, 0.95, 1e-8  # the defaults; a = β1^1 under 2bw
+    trainer = quadratic_trainer([1], optim="adamw", correction="spike+predict", schedule="2bw")
+    weights, m, v = [1.0], 0.0, 0.0
+    for t in range(1, 6):
+        g = _predicted_points(weights, t - 1)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        numerator = (b1 * m + (1 - b1) * g) / (1 - b1**t)
+        weights.append(weights[-1] - 0.5 * numerator / (math.sqrt(v / (1 - b2**t)) + eps))
+    assert column(run_steps(trainer, 5), 0) == pytest.approx(weights, rel=1e-12, abs=1e-12)
