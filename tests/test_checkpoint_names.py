@@ -259,10 +259,16 @@ def launch(*args: str, stages: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_continues_exactly_in_the_other_launcher(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [["optim=adamw", "ef=true"], ["optim=muon", "correction=ef+predict"]],
+    ids=["adamw+ef", "muon+ef+predict"],
+)
+def test_a_checkpoint_continues_exactly_in_the_other_launcher(tmp_path, extra):
     """The simulator and the pipeline compute the same run (test_pipeline_parity.py), so a
-    pipeline checkpoint continued in one process, and the other way round, is that run."""
-    common = [*CONSTANT, "schedule=2bw", "microbatches=2", "stages=2", "optim=adamw", "ef=true"]
+    pipeline checkpoint continued in one process, and the other way round, is that run. With
+    predict the pipeline also saves w[t-2] and reads it back."""
+    common = [*CONSTANT, "schedule=2bw", "microbatches=2", "stages=2", *extra]
     assert train(tmp_path / "full", *common, "steps=6") == 0
 
     nobubble(tmp_path / "pipeline", *common, "steps=3", stages=2)

@@ -26,6 +26,9 @@ CASES = [
     (2, "2bw", 2, ["optim=adamw", "correction=nesterov"]),
     (2, "2bw", 2, ["optim=adamw", "correction=dc", "dc_lambda=1000"]),
     (3, "pipedream", 1, ["optim=adamw", "correction=spike"]),
+    # weight prediction (docs/corrections.md): 2bw, and pipedream's per-stage delays
+    (2, "2bw", 2, ["optim=adamw", "correction=predict"]),
+    (3, "pipedream", 1, ["optim=adamw", "correction=predict"]),
 ]
 
 

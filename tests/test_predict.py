@@ -13,8 +13,7 @@ from safetensors import safe_open
 from nobubble.config import ConfigError, build_config
 from nobubble.delay import stage_delays
 from nobubble.simulated import DelayedTrainer
-from tests.pipeline_helpers import assert_same_run, losses, nobubble
-from tests.test_checkpoint_names import CONSTANT, launch
+from tests.pipeline_helpers import assert_same_run, losses
 from tests.test_delay_exact import adamw_update, column, quadratic_trainer, run
 from tests.test_resume import cut_back_to, resume, train
 
@@ -187,41 +186,3 @@ def test_resume_is_identical_to_an_uninterrupted_run(tmp_path, settings):
     cut_back_to(tmp_path / "cut", 6)
     assert resume(tmp_path / "cut") == 0
     assert_same_run(tmp_path / "full", tmp_path / "cut")
-
-
-# -- the real pipeline ----------------------------------------------------------------------------
-
-
-PARITY = [
-    # (stages, schedule, microbatches, extra settings)
-    (2, "2bw", 2, ["optim=adamw", "correction=predict"]),
-    (3, "pipedream", 1, ["optim=adamw", "correction=predict"]),
-]  # muon with ef+predict: the launcher test below
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("stages", "schedule", "micro", "extra"), PARITY)
-def test_pipeline_matches_the_simulation(tmp_path, stages, schedule, micro, extra):
-    settings = [f"schedule={schedule}", f"stages={stages}", f"microbatches={micro}", "steps=6"]
-    settings += ["eval_every=3", *extra]  # evaluations cut the pipeline run into segments
-    nobubble(tmp_path / "pipeline", *settings, stages=stages)
-    nobubble(tmp_path / "simulated", *settings)
-    assert_same_run(tmp_path / "pipeline", tmp_path / "simulated")
-
-
-@pytest.mark.slow
-def test_a_checkpoint_continues_exactly_in_the_other_launcher(tmp_path):
-    """The pipeline saves w[t-2] and reads it back: a pipeline checkpoint continued in one
-    process, and the other way round, is the uninterrupted run (so the pipeline computes the
-    simulator's steps 0-2 and 3-5, with Muon and ef+predict)."""
-    common = [*CONSTANT, "schedule=2bw", "microbatches=2", "stages=2", "optim=muon"]
-    common.append("correction=ef+predict")
-    assert train(tmp_path / "full", *common, "steps=6") == 0
-
-    nobubble(tmp_path / "pipeline", *common, "steps=3", stages=2)
-    assert resume(tmp_path / "pipeline", "steps=6") == 0
-    assert_same_run(tmp_path / "full", tmp_path / "pipeline")
-
-    assert train(tmp_path / "simulated", *common, "steps=3") == 0
-    launch("--resume", str(tmp_path / "simulated"), "steps=6", stages=2)
-    assert_same_run(tmp_path / "full", tmp_path / "simulated")
