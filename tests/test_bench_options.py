@@ -72,6 +72,7 @@ def test_options_are_reported_as_ratios_to_the_plain_variant():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the launch path is test_bench's; the settings are tested above
 def test_quick_bench_measures_activation_checkpointing_beside_the_plain_run(tmp_path, capsys):
     """Through the console entry point; activation checkpointing changes no bit of the run."""
     out, runs = tmp_path / "bench.json", tmp_path / "runs"

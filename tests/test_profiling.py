@@ -95,11 +95,17 @@ def test_one_process_traces_exactly_the_steps_asked_for_also_after_a_resume(tmp_
 def test_every_pipeline_stage_traces_its_actions_and_waits(tmp_path):
     """A 2-stage 2bw pipeline, step 3 of 3 (step 2 warms up): stage 1 runs exactly step 3's
     forwards and backwards; stage 0 starts with its first action of step 3, before the last
-    backward of step 2 (the steps overlap under 2bw)."""
-    from tests.pipeline_helpers import nobubble
+    backward of step 2 (the steps overlap under 2bw).
 
-    run = tmp_path / "run"
-    nobubble(run, *SETTINGS[len(SMALL) :], "steps=3", "profile_steps=3:3", stages=2)
+    The same run (with EF and activation checkpointing) is the pipeline's activation
+    checkpointing test: it must equal the plain simulation bit for bit, profiled or not."""
+    from tests.pipeline_helpers import assert_same_run, nobubble
+
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    settings = [*SETTINGS[len(SMALL) :], "ef=true", "steps=3"]
+    nobubble(run, *settings, "activation_checkpointing=true", "profile_steps=3:3", stages=2)
+    main(["train", "--no-progress", "--out", str(plain), *SMALL, *settings])
+    assert_same_run(run, plain)
     folder = run / "profile"
     assert sorted(p.name for p in folder.iterdir()) == [
         "trace-steps3-3-stage0-replica0.json",
