@@ -14,7 +14,8 @@ that the stage runs between those two points; every action of steps A..B is in i
 When the step before A is trained in the same session, the profiler warms up during it and
 discards what it saw (its start-up would otherwise skew the first recorded actions). Each
 process writes its own trace into the run folder, named after the steps it covers: a trace
-already there is never replaced.
+already there is never replaced. Under torchrun the leader then merges the ranks' traces into
+one timeline, each rank a process named after its stage and replica.
 """
 
 from __future__ import annotations
