@@ -128,3 +128,35 @@ def test_nadamw_is_nesterov_adamw_with_constant_momentum() -> None:
 
     # torch keeps NAdam's running product of μ as a float32 scalar whatever the parameter dtype
     _assert_close(_run(cfg, 4), _by_hand(update, cfg, 4), rel=1e-7)
+
+
+def test_nadamw_momentum_warmup_follows_dozats_schedule() -> None:
+    """nadam_momentum_decay=ψ restores NAdam's warm-up μ_t = β1·(1 − ½·0.96^(tψ)) (the setting
+    of Ajanthan et al.'s asynchronous-pipeline runs); a large ψ shows the warm-up in 4 steps."""
+    cfg = TrainConfig(
+        optim="nadamw",
+        lr=0.02,
+        beta1=0.8,
+        beta2=0.9,
+        eps=1e-3,
+        weight_decay=0.3,
+        nadam_momentum_decay=5.0,
+    )
+    b1, b2 = cfg.beta1, cfg.beta2
+
+    def mu(t: int) -> float:
+        return b1 * (1 - 0.5 * 0.96 ** (t * cfg.nadam_momentum_decay))
+
+    def update(w, a, wd, state, t):
+        g = a * w
+        m, v = _adam_moments(state, g, b1, b2)
+        product = state.get("mu_product", 1.0) * mu(t)
+        state["mu_product"] = product
+        denom = math.sqrt(v / (1 - b2**t)) + cfg.eps
+        lookahead = (1 - mu(t)) * g / (1 - product) + mu(t + 1) * m / (1 - product * mu(t + 1))
+        return w * (1 - cfg.lr * wd) - cfg.lr * lookahead / denom
+
+    got = _run(cfg, 4)
+    _assert_close(got, _by_hand(update, cfg, 4), rel=1e-7)
+    constant = _run(TrainConfig(**{**cfg.__dict__, "nadam_momentum_decay": 0.0}), 4)
+    assert got[0] != pytest.approx(constant[0], rel=1e-4)  # the warm-up really changed the steps

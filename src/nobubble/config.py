@@ -124,6 +124,12 @@ class TrainConfig:
     beta2: float = _opt(0.95, "second-moment decay", DECAY)
     beta3: float = _opt(0.99, "third beta (Adan only)", DECAY)
     eps: float = _opt(1e-8, "denominator epsilon", POSITIVE)
+    nadam_momentum_decay: float = _opt(
+        0.0,
+        "nadamw: NAdam's momentum warm-up ψ, μ_t = β1·(1 - 0.5·0.96^(tψ)); 0 = none, β1 from the "
+        "first step (torch's and Ajanthan et al.'s default is 0.004)",
+        NON_NEGATIVE,
+    )
     momentum: float = _opt(0.95, "momentum (muon, signum, sgd)", DECAY)
     nesterov: bool = _opt(True, "Nesterov momentum (muon, sgd)")
     muon_adjust_lr: str = _opt("match_rms_adamw", "muon LR scaling: match_rms_adamw | original")

@@ -19,8 +19,9 @@ from nobubble.optim.routing import Kind, param_groups
 Groups = list[dict[str, Any]]
 
 # torch's NAdam warms its momentum up as β1·(1 - 0.5·0.96^(t·momentum_decay)) (Dozat); at the
-# default 4e-3 that is about β1/2 for the first thousand steps. A decay this large makes
-# 0.96^(...) underflow to 0 from step 1, so the momentum is β1 throughout, as in NAdamW.
+# default 4e-3 that is about β1/2 for the first thousand steps. Unless nadam_momentum_decay asks
+# for that warm-up, a decay this large makes 0.96^(...) underflow to 0 from step 1, so the
+# momentum is β1 throughout, as in NAdamW.
 _CONSTANT_NADAM_MOMENTUM = 1e6
 
 
@@ -34,7 +35,7 @@ def _nadamw(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        momentum_decay=_CONSTANT_NADAM_MOMENTUM,
+        momentum_decay=cfg.nadam_momentum_decay or _CONSTANT_NADAM_MOMENTUM,
         decoupled_weight_decay=True,
     )
 
