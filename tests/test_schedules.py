@@ -143,7 +143,7 @@ def test_generate_errors(args, message):
 
 
 def test_errors_explain_themselves():
-    with pytest.raises(ScheduleError, match="use --microbatches 4 or more") as info:
+    with pytest.raises(ScheduleError, match="use 4 or more microbatches") as info:
         generate("2bw", 4, 2, 1)
     assert "weight version" in str(info.value)
     with pytest.raises(ScheduleError, match="gpipe, 1f1b, 2bw, pipedream"):

@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
-SYNC_SCHEDULES = ("sync", "gpipe", "1f1b")
+from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
+from nobubble.schedules.registry import SCHEDULES as PIPELINE_SCHEDULES
+
+SYNC = "sync"  # no pipeline schedule: plain gradient accumulation (the pipeline runs it as 1f1b)
+SCHEDULES = (SYNC, *SCHEDULE_NAMES)
+SYNC_SCHEDULES = (SYNC, *(name for name, spec in PIPELINE_SCHEDULES.items() if spec.flushes))
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -415,18 +419,17 @@ def validate(cfg: TrainConfig) -> None:
             f"{cfg.microbatch_size()} sequences, which dp={cfg.dp} replicas cannot share equally; "
             f"batch_size must be a multiple of microbatches x dp = {cfg.microbatches * cfg.dp}"
         )
-    if cfg.schedule == "2bw" and cfg.stages > 1 and cfg.microbatches < cfg.stages:
-        raise ConfigError(
-            f"2bw needs microbatches >= stages (got M={cfg.microbatches}, P={cfg.stages}): with "
-            "fewer microbatches a minibatch's first forward would need a weight version that no "
-            f"stage has produced yet; use --microbatches {cfg.stages} or more"
-        )
-    if cfg.schedule == "pipedream" and cfg.microbatches != 1:
-        raise ConfigError(
-            "pipedream steps the optimizer after every microbatch, so each step is one "
-            f"microbatch; set microbatches=1 (got {cfg.microbatches}) and choose batch_size as "
-            "the microbatch size"
-        )
+    if cfg.schedule != SYNC:
+        spec = schedule_spec(cfg.schedule)
+        problem = spec.microbatch_problem(cfg.stages, cfg.microbatches)
+        if problem:
+            raise ConfigError(problem)
+        if spec.step_per_microbatch and cfg.microbatches != 1:
+            raise ConfigError(
+                f"{spec.name} steps the optimizer after every microbatch, so each step is one "
+                f"microbatch; set microbatches=1 (got {cfg.microbatches}) and choose batch_size "
+                "as the microbatch size"
+            )
     if cfg.stage_layers is not None and len(cfg.stage_layers) != cfg.stages:
         raise ConfigError(
             f"stage_layers lists {len(cfg.stage_layers)} stages but stages={cfg.stages}; "
@@ -491,11 +494,14 @@ def _check_model(cfg: TrainConfig) -> None:
 
     mc = model_config(cfg, tokenizer_vocab=1)
     partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
-    if mc.tie_embeddings and cfg.stages > 1 and cfg.schedule == "pipedream":
-        raise ConfigError(
-            f"the head is tied to the embedding (tie_embeddings), and pipedream trains the "
-            f"embedding (stage 0) with gradient delay {cfg.stages - 1} and the head (stage "
-            f"{cfg.stages - 1}) with delay 0, so the two uses of the one tied weight would need "
-            "different versions of it; set tie_embeddings=false, or use 2bw (delay 1 on every "
-            "stage) or a synchronous schedule"
-        )
+    if mc.tie_embeddings and cfg.stages > 1 and cfg.schedule != SYNC:
+        spec, last = schedule_spec(cfg.schedule), cfg.stages - 1
+        if spec.delay(0, cfg.stages) != spec.delay(last, cfg.stages):
+            raise ConfigError(
+                f"the head is tied to the embedding (tie_embeddings), and {spec.name} trains the "
+                f"embedding (stage 0) with gradient delay {spec.delay(0, cfg.stages)} and the "
+                f"head (stage {last}) with delay {spec.delay(last, cfg.stages)}, so the two uses "
+                "of the one tied weight would need different versions of it; set "
+                "tie_embeddings=false, or use 2bw (delay 1 on every stage) or a synchronous "
+                "schedule"
+            )

@@ -13,18 +13,15 @@ pipeline runtime's schedule produces exactly these versions (its invariants are 
 
 from __future__ import annotations
 
-from nobubble.config import SCHEDULES
+from nobubble.config import SYNC
+from nobubble.schedules.registry import schedule_spec
 
 
 def stage_delays(schedule: str, stages: int) -> list[int]:
-    """The gradient delay, in optimizer steps, of every stage."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
-    if schedule == "2bw":
-        return [1] * stages
-    if schedule == "pipedream":
-        return [stages - 1 - s for s in range(stages)]
-    return [0] * stages
+    """The gradient delay, in optimizer steps, of every stage (``sync``: none)."""
+    if schedule == SYNC:
+        return [0] * stages
+    return schedule_spec(schedule).delays(stages)
 
 
 def gradient_version(step: int, delay: int) -> int:

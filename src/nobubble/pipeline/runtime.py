@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from nobubble.config import TrainConfig, chosen_corrections
+from nobubble.config import SYNC, TrainConfig, chosen_corrections
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
@@ -62,15 +62,16 @@ RECV_AHEAD = 4  # post a receive this many actions before the action that consum
 
 def ir_schedule(schedule: str) -> str:
     """The IR generator behind a config schedule (``sync`` runs as 1f1b: same semantics)."""
-    return "1f1b" if schedule == "sync" else schedule
+    return "1f1b" if schedule == SYNC else schedule
 
 
 def segment_actions(
     cfg: TrainConfig, stage: int, start: int, stop: int, delay: int
 ) -> list[Action]:
     """This stage's lowered actions for steps [start, stop), with global indices and versions."""
-    per_step = 1 if cfg.schedule == "pipedream" else cfg.microbatches
-    lowered = lower(generate(ir_schedule(cfg.schedule), cfg.stages, per_step, stop - start))
+    # a step is cfg.microbatches microbatches (pipedream: 1, which the config enforces)
+    schedule = ir_schedule(cfg.schedule)
+    lowered = lower(generate(schedule, cfg.stages, cfg.microbatches, stop - start))
     actions = []
     for action in lowered[stage]:
         step = action.step + start
@@ -81,7 +82,9 @@ def segment_actions(
                 f"schedule IR and delay rule disagree at stage {stage}: {action} should use "
                 f"version {version}; this is a bug in nobubble"
             )
-        microbatch = None if action.microbatch is None else action.microbatch + start * per_step
+        microbatch = (
+            None if action.microbatch is None else action.microbatch + start * cfg.microbatches
+        )
         actions.append(
             dataclasses.replace(action, step=step, microbatch=microbatch, version=version)
         )
@@ -141,7 +144,7 @@ class PipelineEngine:
         self.val_batches = val_batches
         self.eval_sequence = 0
         self.step = 0
-        self.micro_per_step = 1 if cfg.schedule == "pipedream" else cfg.microbatches
+        self.micro_per_step = cfg.microbatches  # pipedream: 1, which the config enforces
         self.train_wall_s = self.train_idle_s = 0.0
         self.versions_peak = 1
         self.peer_stop = False  # leader: a rank asked to stop in the last steps of a segment

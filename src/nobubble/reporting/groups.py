@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nobubble.config import SYNC_SCHEDULES, TrainConfig, chosen_corrections
+from nobubble.config import SCHEDULES, SYNC_SCHEDULES, TrainConfig, chosen_corrections
 from nobubble.reporting.runs import Run
 
 # The keys that choose a delay correction or set one's strength (dropped to find the plain run).
@@ -32,7 +32,7 @@ PIPELINE_KEYS = (
     "embed_cost",
     "head_cost",
 )
-SCHEDULE_ORDER = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULE_ORDER = SCHEDULES  # sync first, then the pipeline schedules in the registry's order
 # A gap smaller than this many standard errors is treated as seed noise.
 CLEAR_GAP_SE = 2.0
 

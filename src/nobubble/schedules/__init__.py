@@ -9,8 +9,8 @@
 See docs/schedules.md.
 """
 
-from nobubble.schedules.generators import SCHEDULE_NAMES, generate
-from nobubble.schedules.invariants import check_invariants, gradient_delay, version_budget
+from nobubble.schedules.generators import generate
+from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import (
     Action,
     ActionKind,
@@ -19,30 +19,32 @@ from nobubble.schedules.ir import (
     version_last_uses,
 )
 from nobubble.schedules.lowering import is_lowered, lower
+from nobubble.schedules.registry import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, schedule_spec
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import render_text
 from nobubble.schedules.simulator import DeadlockError, SimResult, TimedAction, simulate
 from nobubble.schedules.trace import chrome_trace, write_trace
 
 __all__ = [
+    "SCHEDULES",
     "SCHEDULE_NAMES",
     "Action",
     "ActionKind",
     "DeadlockError",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "SimResult",
     "TimedAction",
     "check_invariants",
     "chrome_trace",
     "generate",
-    "gradient_delay",
     "is_lowered",
     "lower",
     "render_png",
     "render_text",
+    "schedule_spec",
     "simulate",
-    "version_budget",
     "version_last_uses",
     "write_trace",
 ]

@@ -10,10 +10,11 @@ import sys
 from tqdm import tqdm
 
 from nobubble.destinations import check_output_file
-from nobubble.schedules.generators import SCHEDULE_NAMES, generate
+from nobubble.schedules.generators import generate
 from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import ScheduleError
 from nobubble.schedules.lowering import lower
+from nobubble.schedules.registry import SCHEDULE_NAMES
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import render_text
 from nobubble.schedules.simulator import SimResult, simulate

@@ -8,12 +8,8 @@ applied to either one minibatch at a time (flush before every step) or to the wh
 
 from __future__ import annotations
 
-import difflib
-
 from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
-
-SCHEDULE_NAMES = ("gpipe", "1f1b", "2bw", "pipedream")
-SYNC_SCHEDULES = ("gpipe", "1f1b")
+from nobubble.schedules.registry import ScheduleSpec, schedule_spec
 
 Order = list[tuple[ActionKind, int]]
 
@@ -61,37 +57,23 @@ def _emit(
     return actions
 
 
-def check_schedule_name(schedule: str) -> None:
-    if schedule not in SCHEDULE_NAMES:
-        close = difflib.get_close_matches(schedule, SCHEDULE_NAMES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ScheduleError(
-            f"unknown schedule {schedule!r}{hint}; choose one of: {', '.join(SCHEDULE_NAMES)}"
-        )
-
-
-def _validate(schedule: str, stages: int, microbatches: int, steps: int) -> None:
-    check_schedule_name(schedule)
+def _validate(spec: ScheduleSpec, stages: int, microbatches: int, steps: int) -> None:
     for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps)):
         if value < 1:
             raise ScheduleError(f"{name} must be at least 1, got {value}")
-    if schedule == "2bw" and microbatches < stages:
-        raise ScheduleError(
-            f"2bw needs microbatches >= stages (got M={microbatches}, P={stages}): stage 0 runs "
-            "P-1 forwards ahead of its backwards, so minibatch t+1 starts before minibatch t has "
-            "finished there, and its forwards need the weight version made by minibatch t-1's "
-            "step; with M < P-1 that version does not exist yet when they run. PipeDream-2BW "
-            "and nobubble require M >= P (one microbatch of slack); use --microbatches "
-            f"{stages} or more"
-        )
+    problem = spec.microbatch_problem(stages, microbatches)
+    if problem:
+        raise ScheduleError(problem)
 
 
-def _stage_order(schedule: str, stage: int, stages: int, microbatches: int, steps: int) -> Order:
-    if schedule in SYNC_SCHEDULES:  # flush: one minibatch at a time
+def _stage_order(
+    spec: ScheduleSpec, stage: int, stages: int, microbatches: int, steps: int
+) -> Order:
+    if spec.flushes:  # one minibatch at a time
         order: Order = []
         for t in range(steps):
             block = range(t * microbatches, (t + 1) * microbatches)
-            if schedule == "gpipe":
+            if spec.order == "gpipe":
                 order += gpipe_order(block)
             else:
                 order += one_f_one_b_order(stage, stages, block)
@@ -105,14 +87,15 @@ def generate(schedule: str, stages: int, microbatches: int, steps: int) -> Sched
     pipedream steps after every microbatch, so it runs ``microbatches * steps`` optimizer steps
     (the training config uses M=1 for it).
     """
-    _validate(schedule, stages, microbatches, steps)
+    spec = schedule_spec(schedule)
+    _validate(spec, stages, microbatches, steps)
     return [
         _emit(
             s,
-            _stage_order(schedule, s, stages, microbatches, steps),
+            _stage_order(spec, s, stages, microbatches, steps),
             microbatches,
-            step_per_microbatch=schedule == "pipedream",
-            delayed=schedule == "2bw",
+            step_per_microbatch=spec.step_per_microbatch,
+            delayed=spec.forwards_use_previous_step,
         )
         for s in range(stages)
     ]

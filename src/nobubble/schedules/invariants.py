@@ -13,24 +13,10 @@
 
 from __future__ import annotations
 
-from nobubble.schedules.generators import SYNC_SCHEDULES, check_schedule_name
 from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from nobubble.schedules.lowering import is_lowered, lower
+from nobubble.schedules.registry import schedule_spec
 from nobubble.schedules.simulator import SimResult, simulate
-
-
-def gradient_delay(schedule: str, stages: int, stage: int) -> int:
-    """How many versions older than the weights it updates a stage's applied gradient is."""
-    if schedule in SYNC_SCHEDULES:
-        return 0
-    return 1 if schedule == "2bw" else stages - 1 - stage
-
-
-def version_budget(schedule: str, stages: int, stage: int) -> int:
-    """The most weight versions the schedule may hold at a stage."""
-    if schedule in SYNC_SCHEDULES:
-        return 1
-    return 2 if schedule == "2bw" else stages - stage
 
 
 def _coverage(actions: Schedule) -> list[str]:
@@ -79,11 +65,11 @@ def check_invariants(
     ``result`` is a simulation of ``actions`` already run, with any timings (what it finds does
     not depend on them); without it the check simulates ``actions`` itself.
     """
-    check_schedule_name(schedule)
+    spec = schedule_spec(schedule)
     stages = len(actions)
     problems = _coverage(actions)
     for s, stage_actions in enumerate(actions):
-        problems += _gradient_delays(stage_actions, gradient_delay(schedule, stages, s))
+        problems += _gradient_delays(stage_actions, spec.delay(s, stages))
     if result is None:
         try:
             result = simulate(actions if is_lowered(actions) else lower(actions))
@@ -91,7 +77,7 @@ def check_invariants(
             return [*problems, str(exc)]
     problems += result.violations
     for s, held in enumerate(result.weight_versions):
-        budget = version_budget(schedule, stages, s)
+        budget = spec.version_budget(s, stages)
         if held > budget:
             problems.append(f"stage {s} holds {held} weight versions; {schedule} allows {budget}")
     return problems

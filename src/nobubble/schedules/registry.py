@@ -1,0 +1,137 @@
+"""Every pipeline schedule's properties, in one place that every module reads.
+
+A :class:`ScheduleSpec` says what a schedule promises (its gradient delay and the weight
+versions it may hold per stage), what it needs (its rule on the number of microbatches, whether it
+splits the backward or puts several stages on a rank) and where it runs. The generators build the
+action lists; this module says what those lists must satisfy and what a configuration may ask
+for. ``sync`` is not here: it is the configuration's name for "no pipeline schedule, plain
+gradient accumulation", which the pipeline runs as 1f1b.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nobubble.schedules.ir import ScheduleError
+
+
+def _no_delay(stage: int, stages: int) -> int:
+    return 0
+
+
+def _one_step(stage: int, stages: int) -> int:
+    return 1
+
+
+def _downstream_stages(stage: int, stages: int) -> int:
+    return stages - 1 - stage
+
+
+def _any_microbatches(stages: int, microbatches: int) -> str | None:
+    return None
+
+
+def _at_least_stages(stages: int, microbatches: int) -> str | None:
+    if stages > 1 and microbatches < stages:
+        return (
+            f"2bw needs microbatches >= stages (got M={microbatches}, P={stages}): stage 0 runs "
+            "P-1 forwards ahead of its backwards, so minibatch t+1 starts before minibatch t has "
+            "finished there, and its forwards need the weight version made by minibatch t-1's "
+            "step; with M < P-1 that version does not exist yet when they run. PipeDream-2BW and "
+            f"nobubble require M >= P (one microbatch of slack); use {stages} or more microbatches"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str
+    summary: str
+    order: str  # microbatch order per stage: "gpipe" (all F, then all B) or "1f1b"
+    flushes: bool  # synchronous: every step's gradients are computed at the weights it updates
+    # 2bw: every forward of step t uses version t-1, even once version t exists (double buffer);
+    # otherwise a forward uses the newest version the stage holds
+    forwards_use_previous_step: bool
+    # every microbatch is its own optimizer step (pipedream): a training run's step is then one
+    # microbatch, and a generated schedule of M microbatches per "step" runs M optimizer steps
+    step_per_microbatch: bool
+    delay_rule: Callable[[int, int], int]  # (stage, stages) -> gradient delay in steps
+    microbatch_rule: Callable[[int, int], str | None]  # (stages, M) -> why it cannot run, or None
+
+    def delay(self, stage: int, stages: int) -> int:
+        """How many versions older than the weights it updates a stage's applied gradient is."""
+        return self.delay_rule(stage, stages)
+
+    def delays(self, stages: int) -> list[int]:
+        return [self.delay(s, stages) for s in range(stages)]
+
+    def version_budget(self, stage: int, stages: int) -> int:
+        """The most weight versions the schedule may hold at a stage: the one it updates and
+        every older one a gradient still to be applied was (or will be) computed at."""
+        return self.delay(stage, stages) + 1
+
+    def microbatch_problem(self, stages: int, microbatches: int) -> str | None:
+        """Why ``microbatches`` per step cannot run on ``stages`` stages, or None."""
+        return self.microbatch_rule(stages, microbatches)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec(
+            "gpipe",
+            "all forwards, then all backwards, flush before each step",
+            order="gpipe",
+            flushes=True,
+            forwards_use_previous_step=False,
+            step_per_microbatch=False,
+            delay_rule=_no_delay,
+            microbatch_rule=_any_microbatches,
+        ),
+        ScheduleSpec(
+            "1f1b",
+            "one forward, one backward after a warm-up of P-1-s forwards; flush before each step",
+            order="1f1b",
+            flushes=True,
+            forwards_use_previous_step=False,
+            step_per_microbatch=False,
+            delay_rule=_no_delay,
+            microbatch_rule=_any_microbatches,
+        ),
+        ScheduleSpec(
+            "2bw",
+            "1F1B without a flush; forwards of step t use the weights of step t-1 (PipeDream-2BW)",
+            order="1f1b",
+            flushes=False,
+            forwards_use_previous_step=True,
+            step_per_microbatch=False,
+            delay_rule=_one_step,
+            microbatch_rule=_at_least_stages,
+        ),
+        ScheduleSpec(
+            "pipedream",
+            "1F1B without a flush, an optimizer step after every microbatch, weight stashing",
+            order="1f1b",
+            flushes=False,
+            forwards_use_previous_step=False,
+            step_per_microbatch=True,
+            delay_rule=_downstream_stages,
+            microbatch_rule=_any_microbatches,
+        ),
+    )
+}
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The spec of pipeline schedule ``name``; a clear error naming the choices otherwise."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, SCHEDULE_NAMES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ScheduleError(
+            f"unknown schedule {name!r}{hint}; choose one of: {', '.join(SCHEDULE_NAMES)}"
+        ) from None
