@@ -71,7 +71,7 @@ def test_trace_has_one_event_per_compute_action():
     assert sum(e["ph"] == "i" for e in events) == 3 * 8  # a STEP per microbatch and stage
     first = next(e for e in compute if e["tid"] == 1)
     assert first["name"] == "F0" and first["ts"] == 1000.0 and first["dur"] == 1000.0
-    assert first["args"] == {"microbatch": 0, "version": 0, "step": 0}
+    assert first["args"] == {"stage": 1, "microbatch": 0, "version": 0, "step": 0}
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}
     assert names == {"pipedream", "stage 0", "stage 1", "stage 2"}
 

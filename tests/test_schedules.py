@@ -289,10 +289,10 @@ def test_version_last_uses():
     # 2bw stage 1: v0 is used until minibatch 1's last backward, v1 until the STEP that
     # updates it, v2 (minibatch 2's weights) until that minibatch's last backward
     stage = generate("2bw", 2, 2, 3)[1]
-    last = version_last_uses(stage)
-    assert stage[last[0]] == B(1, 3, 0, 1)
-    assert stage[last[1]] == B(1, 5, 1, 2)
-    assert stage[last[2]] == STEP(1, 2, 3)
+    last = version_last_uses(stage)  # keyed by (stage, version): a rank may run several stages
+    assert stage[last[1, 0]] == B(1, 3, 0, 1)
+    assert stage[last[1, 1]] == B(1, 5, 1, 2)
+    assert stage[last[1, 2]] == STEP(1, 2, 3)
 
 
 # --- invariants over a property-based grid ---------------------------------------------------
@@ -460,9 +460,9 @@ def test_structural_violations():
 def test_misplaced_actions_are_rejected():
     lowered = lower(generate("gpipe", 2, 1, 1))
     lowered[0][1] = dataclasses.replace(lowered[0][1], peer=0)
-    with pytest.raises(ScheduleError, match="needs a peer stage other than 0"):
+    with pytest.raises(ScheduleError, match="needs a peer stage on another rank"):
         simulate(lowered)
     lowered = lower(generate("gpipe", 2, 1, 1))
     lowered[0].append(F(1, 5, 0, 0))
-    with pytest.raises(ScheduleError, match="is listed under stage 0"):
+    with pytest.raises(ScheduleError, match="stage 1 has actions on ranks 0 and 1"):
         simulate(lowered)

@@ -85,10 +85,12 @@ def _percent(x: float) -> str:
 
 
 def _stage_table(result: SimResult) -> str:
-    lines = ["stage  busy    idle    bubble  peak activations  weight versions"]
-    for s in range(result.stages):
+    head = "stage" if result.one_stage_per_rank else "rank"
+    width = max(len(head), *(len(result.row_label(r, short=True)) for r in range(result.ranks)))
+    lines = [f"{head.ljust(width)} busy    idle    bubble  peak activations  weight versions"]
+    for s in range(result.ranks):
         lines.append(
-            f"s{s:<5} {result.busy[s]:<7g} {result.idle[s]:<7g} "
+            f"{result.row_label(s, short=True):<{width}} {result.busy[s]:<7g} {result.idle[s]:<7g} "
             f"{_percent(result.bubble_fraction[s]):<7} {result.peak_activations[s]:<17} "
             f"{result.weight_versions[s]}"
         )
@@ -98,8 +100,8 @@ def _stage_table(result: SimResult) -> str:
 def comparison_table(results: dict[str, SimResult]) -> str:
     """A Markdown table: one row per schedule."""
     lines = [
-        "| schedule | makespan | bubble | throughput (mb/unit) | peak activations per stage "
-        "| weight versions per stage |",
+        "| schedule | makespan | bubble | throughput (mb/unit) | peak activations per rank "
+        "| weight versions per rank |",
         "|---|---:|---:|---:|---|---|",
     ]
     for name, r in results.items():

@@ -1,42 +1,52 @@
 """Invariants a schedule must satisfy, checked on the IR itself.
 
-* Every stage runs one F and one B of every microbatch (and, from the simulator: in an order
-  that can run, i.e. no deadlock, inputs received before use, each B with its own F's version,
-  every weight version held when used).
-* The gradient a STEP applies is exactly as old as the schedule promises: a STEP producing
-  v+1 from v applies gradients computed at version max(v - d, 0), with d = 0 for gpipe and 1f1b,
-  d = 1 for 2bw (w[t+1] = w[t] - Δ(g(w[t-1])), w[-1] = w[0]) and d = P-1-s at stage s for
-  pipedream. The max() is the start of the run, where the older version does not exist.
-* A stage holds at most 1 weight version under gpipe and 1f1b, 2 under 2bw and P-s under
-  pipedream (its weight stash).
+* Every stage runs one F and one backward (a B, or an I and a W) of every microbatch (and, from
+  the simulator: in an order that can run, i.e. no deadlock, inputs received before use, each
+  backward with its own F's version, every W after its I, every weight version held when used).
+* The gradient a STEP applies is exactly as old as the schedule promises (its registry spec): a
+  STEP producing v+1 from v applies gradients computed at version max(v - d, 0), with d = 0 for
+  the flushing schedules, d = 1 for 2bw (w[t+1] = w[t] - Δ(g(w[t-1])), w[-1] = w[0]) and
+  d = P-1-s at stage s for pipedream. The max() is the start of the run, where the older version
+  does not exist.
+* A stage holds at most d + 1 weight versions (its weight stash).
 """
 
 from __future__ import annotations
 
-from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
+from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError, stage_count
 from nobubble.schedules.lowering import is_lowered, lower
 from nobubble.schedules.registry import schedule_spec
 from nobubble.schedules.simulator import SimResult, simulate
 
 
 def _coverage(actions: Schedule) -> list[str]:
-    expected = {a.microbatch for stage in actions for a in stage if a.kind.is_compute}
+    expected = {a.microbatch for rank in actions for a in rank if a.kind.is_compute}
+    done: dict[int, dict[ActionKind, set[int | None]]] = {}
+    for rank in actions:
+        for a in rank:
+            if a.kind.is_compute:
+                done.setdefault(a.stage, {}).setdefault(a.kind, set()).add(a.microbatch)
     problems = []
-    for s, stage_actions in enumerate(actions):
-        for kind in (ActionKind.F, ActionKind.B):
-            missing = expected - {a.microbatch for a in stage_actions if a.kind is kind}
+    for stage in sorted(done):
+        ran = done[stage]
+        split = ran.get(ActionKind.I, set()) | ran.get(ActionKind.W, set())
+        needed = [ActionKind.F, *((ActionKind.I, ActionKind.W) if split else (ActionKind.B,))]
+        for kind in needed:
+            missing = expected - ran.get(kind, set())
             if missing:
-                problems.append(f"stage {s} never runs {kind} of microbatches {sorted(missing)}")
+                problems.append(
+                    f"stage {stage} never runs {kind} of microbatches {sorted(missing)}"
+                )
     return problems
 
 
 def _gradient_delays(stage_actions: list[Action], delay: int) -> list[str]:
     """Check every STEP of one stage against the promised gradient delay."""
     problems = []
-    pending: dict[int, set[int]] = {}  # step -> versions its backwards computed with
+    pending: dict[int, set[int]] = {}  # step -> versions its weight gradients computed with
     stepped: set[int] = set()
     for a in stage_actions:
-        if a.kind is ActionKind.B:
+        if a.kind.makes_weight_gradient:
             if a.step in stepped:
                 problems.append(f"{a} runs after the STEP of its step {a.step}")
             pending.setdefault(a.step, set()).add(a.version)
@@ -66,9 +76,13 @@ def check_invariants(
     not depend on them); without it the check simulates ``actions`` itself.
     """
     spec = schedule_spec(schedule)
-    stages = len(actions)
+    try:
+        stages = stage_count(actions)
+    except ScheduleError as exc:
+        return [str(exc)]
     problems = _coverage(actions)
-    for s, stage_actions in enumerate(actions):
+    for s in range(stages):
+        stage_actions = [a for rank in actions for a in rank if a.stage == s]
         problems += _gradient_delays(stage_actions, spec.delay(s, stages))
     if result is None:
         try:
@@ -76,7 +90,7 @@ def check_invariants(
         except ScheduleError as exc:  # deadlock or malformed
             return [*problems, str(exc)]
     problems += result.violations
-    for s, held in enumerate(result.weight_versions):
+    for s, held in enumerate(result.stage_weight_versions):
         budget = spec.version_budget(s, stages)
         if held > budget:
             problems.append(f"stage {s} holds {held} weight versions; {schedule} allows {budget}")

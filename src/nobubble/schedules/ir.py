@@ -1,7 +1,14 @@
-"""The schedule IR: per pipeline stage, an ordered list of :class:`Action`.
+"""The schedule IR: per pipeline rank, an ordered list of :class:`Action`.
 
 Conventions shared by the generators, the simulator, the renderers and the runtime:
 
+* The model is cut into stages; each rank (a process) runs one or more of them. ``stage`` is the
+  model stage an action computes for. With one stage per rank (gpipe, 1f1b, 2bw, pipedream) the
+  rank is the stage; interleaved schedules put v stages on each rank. Which rank runs a stage is
+  read off the lists (:func:`stage_ranks`): every action of a stage sits in one rank's list.
+* A backward is either one B, or split in two (zero-bubble schedules): I computes the gradient
+  of the stage's input (what the previous stage waits for) and W the gradient of its weights
+  (what the STEP needs). The forward's activations are held until B or W.
 * ``microbatch`` is a global index over the whole run (0 .. steps*M - 1), not an index within a
   minibatch; ``step`` is the optimizer step (minibatch) the action belongs to. For gpipe, 1f1b and
   2bw ``step == microbatch // M``; for pipedream every microbatch is its own step, so
@@ -10,7 +17,8 @@ Conventions shared by the generators, the simulator, the renderers and the runti
   weights. F and B carry the version they compute with; a STEP carries the version it *produces*
   (so the STEP of step t at a sync stage has ``version == t + 1``). SEND/RECV actions carry the
   microbatch, step and version of the F or B they belong to.
-* ``peer`` is the other stage of a SEND/RECV and ``None`` otherwise.
+* ``peer`` is the other stage of a SEND/RECV and ``None`` otherwise. Two stages on the same
+  rank hand activations and gradients over in memory, with no SEND/RECV.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ class ScheduleError(ValueError):
 
 class ActionKind(enum.StrEnum):
     F = "F"
-    B = "B"
+    B = "B"  # the whole backward: input and weight gradients
+    I = "I"  # noqa: E741 - the input-gradient half of a split backward
+    W = "W"  # the weight-gradient half
     STEP = "STEP"
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
@@ -34,7 +44,21 @@ class ActionKind(enum.StrEnum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B)
+        return self in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+
+    @property
+    def is_backward(self) -> bool:
+        return self in (ActionKind.B, ActionKind.I, ActionKind.W)
+
+    @property
+    def makes_input_gradient(self) -> bool:
+        """B or I: needs the next stage's gradient and produces the one the previous stage needs."""
+        return self in (ActionKind.B, ActionKind.I)
+
+    @property
+    def makes_weight_gradient(self) -> bool:
+        """B or W: the gradient a STEP applies; the last use of the forward's activations."""
+        return self in (ActionKind.B, ActionKind.W)
 
     @property
     def is_comm(self) -> bool:
@@ -65,20 +89,41 @@ class Action:
 
 
 Schedule = list[list[Action]]
-"""One ordered action list per stage, index = stage."""
+"""One ordered action list per rank, index = rank."""
 
 
-def version_last_uses(stage_actions: list[Action]) -> dict[int, int]:
-    """Index of the last action of one stage's list that needs each weight version.
+def stage_ranks(actions: Schedule) -> dict[int, int]:
+    """The rank that runs each stage, read off the lists; every stage must sit on one rank."""
+    ranks: dict[int, int] = {}
+    for rank, rank_actions in enumerate(actions):
+        for a in rank_actions:
+            if ranks.setdefault(a.stage, rank) != rank:
+                raise ScheduleError(
+                    f"stage {a.stage} has actions on ranks {ranks[a.stage]} and {rank}: a stage's "
+                    "weights live on one rank"
+                )
+    return ranks
 
-    A version is needed by every F/B computing with it and by the STEP that updates it. A
-    runtime may free version v once ``stage_actions[last][...]`` has run, unless v is still the
-    newest; the simulator counts weight versions held under exactly this rule.
+
+def stage_count(actions: Schedule) -> int:
+    """The number of model stages (0 .. n-1 must each appear)."""
+    ranks = stage_ranks(actions)
+    if sorted(ranks) != list(range(len(ranks))):
+        raise ScheduleError(f"the stages run are {sorted(ranks)}; expected 0..{len(ranks) - 1}")
+    return len(ranks)
+
+
+def version_last_uses(rank_actions: list[Action]) -> dict[tuple[int, int], int]:
+    """Index of the last action of one rank's list that needs each (stage, weight version).
+
+    A version is needed by every F/B/I/W computing with it and by the STEP that updates it. A
+    runtime may free a stage's version v once ``rank_actions[last]`` has run, unless v is still
+    the stage's newest; the simulator counts weight versions held under exactly this rule.
     """
-    last: dict[int, int] = {}
-    for i, a in enumerate(stage_actions):
+    last: dict[tuple[int, int], int] = {}
+    for i, a in enumerate(rank_actions):
         if a.kind.is_compute:
-            last[a.version] = i
+            last[a.stage, a.version] = i
         elif a.kind is ActionKind.STEP:
-            last[a.version - 1] = i
+            last[a.stage, a.version - 1] = i
     return last

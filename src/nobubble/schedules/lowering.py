@@ -7,17 +7,25 @@ Assumed p2p semantics (what the simulator models and what the runtime must provi
   would deadlock 1F1B: stage s sends an activation while stage s+1 sends it a gradient.
 * RECV blocks until the matching SEND has completed and the communication latency has passed.
 
-Placement: a RECV sits immediately before the F or B that consumes it, so a process never
-blocks on data it does not need yet; a SEND sits immediately after the F or B that produced it,
-so the peer gets it as early as possible. The stage sends activations to s+1 after F (except the
-last stage, which computes the loss) and gradients to s-1 after B (except stage 0).
+Placement: a RECV sits immediately before the F or B/I that consumes it, so a process never
+blocks on data it does not need yet; a SEND sits immediately after the F or B/I that produced it,
+so the peer gets it as early as possible. A stage sends activations to the next stage after F
+(except the last stage, which computes the loss) and gradients to the previous one after B or I
+(except stage 0); W sends nothing. Stages on the same rank hand over in memory: no SEND/RECV.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
+from nobubble.schedules.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    stage_count,
+    stage_ranks,
+)
 
 
 def _comm(action: Action, kind: ActionKind, peer: int) -> Action:
@@ -25,29 +33,35 @@ def _comm(action: Action, kind: ActionKind, peer: int) -> Action:
 
 
 def lower(actions: Schedule) -> Schedule:
-    """Return a new schedule with SEND_*/RECV_* actions around every F and B."""
-    last = len(actions) - 1
+    """Return a new schedule with SEND_*/RECV_* actions around every F and B (or I)."""
+    last = stage_count(actions) - 1
+    rank_of = stage_ranks(actions)
+
+    def remote(stage: int, other: int) -> bool:
+        return 0 <= other <= last and rank_of[other] != rank_of[stage]
+
     lowered: Schedule = []
-    for stage, stage_actions in enumerate(actions):
+    for rank_actions in actions:
         out: list[Action] = []
-        for a in stage_actions:
+        for a in rank_actions:
             if a.kind.is_comm:
                 raise ScheduleError(
                     f"{a} is a communication action: the schedule is already lowered"
                 )
-            if a.kind is ActionKind.F and stage > 0:
-                out.append(_comm(a, ActionKind.RECV_ACT, stage - 1))
-            if a.kind is ActionKind.B and stage < last:
-                out.append(_comm(a, ActionKind.RECV_GRAD, stage + 1))
+            s = a.stage
+            if a.kind is ActionKind.F and remote(s, s - 1):
+                out.append(_comm(a, ActionKind.RECV_ACT, s - 1))
+            if a.kind.makes_input_gradient and remote(s, s + 1):
+                out.append(_comm(a, ActionKind.RECV_GRAD, s + 1))
             out.append(a)
-            if a.kind is ActionKind.F and stage < last:
-                out.append(_comm(a, ActionKind.SEND_ACT, stage + 1))
-            if a.kind is ActionKind.B and stage > 0:
-                out.append(_comm(a, ActionKind.SEND_GRAD, stage - 1))
+            if a.kind is ActionKind.F and remote(s, s + 1):
+                out.append(_comm(a, ActionKind.SEND_ACT, s + 1))
+            if a.kind.makes_input_gradient and remote(s, s - 1):
+                out.append(_comm(a, ActionKind.SEND_GRAD, s - 1))
         lowered.append(out)
     return lowered
 
 
 def is_lowered(actions: Schedule) -> bool:
-    """Whether the schedule carries its communication (a one-stage schedule needs none)."""
-    return len(actions) == 1 or any(a.kind.is_comm for stage in actions for a in stage)
+    """Whether the schedule carries its communication (a one-rank schedule needs none)."""
+    return len(actions) == 1 or any(a.kind.is_comm for rank in actions for a in rank)

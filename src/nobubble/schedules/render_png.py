@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 COLORS = {  # (even step, odd step)
     ActionKind.F: ("#3b6fb6", "#86aee0"),
     ActionKind.B: ("#e07b39", "#f3b27f"),
+    ActionKind.I: ("#c0392b", "#e8968c"),
+    ActionKind.W: ("#2e8b57", "#8fd1a8"),
 }
 IDLE_COLOR = "#e4e4e4"
 INCHES_PER_UNIT = 0.3
@@ -27,7 +29,7 @@ MAX_WIDTH = 60.0
 
 
 def _draw_panel(ax: Axes, title: str, result: SimResult, xmax: float) -> None:
-    stages = result.stages
+    rows = result.ranks
     for s, stage in enumerate(result.timeline):
         ax.barh(s, result.makespan, left=0, height=0.8, color=IDLE_COLOR, zorder=0)
         for t in stage:
@@ -53,18 +55,18 @@ def _draw_panel(ax: Axes, title: str, result: SimResult, xmax: float) -> None:
             ax.text(
                 mid,
                 s + 0.25,
-                f"v{a.version}",
+                f"v{a.version}" if result.one_stage_per_rank else f"s{a.stage}",
                 ha="center",
                 va="center",
                 fontsize=6,
                 color="white" if a.step % 2 == 0 else "#333333",
             )
-    ax.set_ylim(stages - 0.5, -0.5)
-    ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.set_yticks(range(rows), [result.row_label(r) for r in range(rows)])
     ax.set_xlim(0, xmax)
     ax.set_title(
         f"{title}    makespan {result.makespan:g}, bubble {result.bubble_fraction_overall:.1%}, "
-        f"weight versions/stage {result.weight_versions}",
+        f"weight versions per rank {result.weight_versions}",
         loc="left",
         fontsize=10,
     )
@@ -80,25 +82,32 @@ def render_png(panels: Sequence[tuple[str, SimResult]], path: str | Path) -> Non
     from matplotlib.patches import Patch
 
     xmax = max(result.makespan for _, result in panels)
-    rows = sum(result.stages for _, result in panels)
+    rows = sum(result.ranks for _, result in panels)
     width = min(max(xmax * INCHES_PER_UNIT + 1.5, 8.0), MAX_WIDTH)
     height = 0.45 * rows + 0.9 * len(panels) + 0.6
     fig = Figure(figsize=(width, height), layout="constrained")
     axes = fig.subplots(
-        len(panels), 1, squeeze=False, sharex=True, height_ratios=[r.stages for _, r in panels]
+        len(panels), 1, squeeze=False, sharex=True, height_ratios=[r.ranks for _, r in panels]
     )[:, 0]
     for ax, (title, result) in zip(axes, panels, strict=True):
         _draw_panel(ax, title, result, xmax)
     axes[-1].set_xlabel("time (simulated units)", fontsize=8)
+    kinds = {t.action.kind for _, r in panels for rank in r.timeline for t in rank}
+    labels = {
+        ActionKind.F: "forward (microbatch / weight version, or stage)",
+        ActionKind.B: "backward",
+        ActionKind.I: "input-gradient backward",
+        ActionKind.W: "weight-gradient backward",
+    }
+    handles = [Patch(color=COLORS[k][0], label=text) for k, text in labels.items() if k in kinds]
+    handles += [
+        Patch(color="black", label="optimizer step"),
+        Patch(color=IDLE_COLOR, label="idle (bubble)"),
+    ]
     fig.legend(
-        handles=[
-            Patch(color=COLORS[ActionKind.F][0], label="forward (microbatch / weight version)"),
-            Patch(color=COLORS[ActionKind.B][0], label="backward"),
-            Patch(color="black", label="optimizer step"),
-            Patch(color=IDLE_COLOR, label="idle (bubble)"),
-        ],
+        handles=handles,
         loc="outside lower center",
-        ncols=4,
+        ncols=len(handles),
         fontsize=8,
         frameon=False,
     )

@@ -1,19 +1,22 @@
 """Discrete-event simulator of a lowered schedule.
 
-Every stage executes its list in order. F takes ``fwd[s]``, B takes ``bwd[s]``; STEP, SEND and
-RECV take no time of their own. A SEND is buffered (never waits); a RECV waits until its SEND has
-finished plus the communication latency. An action starts when its predecessor on the stage has
-finished and, for a RECV, when its message has arrived; the times are therefore independent of
-the order in which stages are advanced. When no stage can advance before all are done, the
-schedule is deadlocked and :class:`DeadlockError` names the stuck actions.
+Every rank executes its list in order. F takes ``fwd[s]`` for stage s, B takes ``bwd[s]``; a
+split backward's I takes ``bwd[s] - wgrad[s]`` and its W ``wgrad[s]``; STEP, SEND and RECV take no
+time of their own. A SEND is buffered (never waits); a RECV waits until its SEND has finished plus
+the communication latency. An action starts when its predecessor on the rank has finished and,
+for a RECV, when its message has arrived; the times are therefore independent of the order in
+which ranks are advanced. When no rank can advance before all are done, the schedule is
+deadlocked and :class:`DeadlockError` names the stuck actions.
 
-While executing, each stage also tracks what a real process would hold and reports (rather than
+While executing, each rank also tracks what a real process would hold and reports (rather than
 raises) what a real process could not do: a forward or backward using a weight version the
-stage has not produced by then, a backward whose forward did not run or used another version,
-compute whose input was never received, a send before the compute it sends, duplicate work, and
-messages nobody receives. A stage releases a weight version after the last action in its list
-that needs it (:func:`~nobubble.schedules.ir.version_last_uses`), never the newest one: the
-least any runtime executing the list must keep, and what ``weight_versions`` counts.
+stage has not produced by then, a backward whose forward did not run or used another version, a
+W before its I, compute whose input was never received (from another rank, or handed over by a
+stage on the same rank), a send before the compute it sends, duplicate work, and messages nobody
+receives. A stage releases a weight version after the last action in its rank's list that needs
+it (:func:`~nobubble.schedules.ir.version_last_uses`), never the newest one: the least any
+runtime executing the list must keep, and what ``weight_versions`` counts. A forward's
+activations are held until its B or W.
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError, version_last_uses
+from nobubble.schedules.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    stage_count,
+    stage_ranks,
+    version_last_uses,
+)
 
 _MESSAGE_OF = {
     ActionKind.SEND_ACT: "activation",
@@ -38,7 +49,7 @@ class DeadlockError(ScheduleError):
 
     def __init__(self, stuck: list[Action]) -> None:
         self.stuck = stuck
-        waits = "; ".join(f"stage {a.stage} waits at {a}" for a in stuck)
+        waits = "; ".join(f"stage {a.stage} waits at {a}" for a in stuck)  # one per stuck rank
         super().__init__(f"deadlock: {waits}")
 
 
@@ -51,19 +62,44 @@ class TimedAction:
 
 @dataclass(frozen=True)
 class SimResult:
-    timeline: list[list[TimedAction]]  # per stage, in execution order, every action
-    peak_activations: list[int]  # per stage: most forwards whose backward has not yet run
-    weight_versions: list[int]  # per stage: most weight versions held at once
+    timeline: list[list[TimedAction]]  # per rank, in execution order, every action
+    peak_activations: list[int]  # per rank: most forwards whose B (or W) has not yet run
+    weight_versions: list[int]  # per rank: most weight versions held at once (all its stages)
+    stage_weight_versions: list[int]  # per stage: most weight versions held at once
     violations: list[str] = field(default_factory=list)
 
     @property
-    def stages(self) -> int:
+    def ranks(self) -> int:
         return len(self.timeline)
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_weight_versions)
+
+    @cached_property
+    def rank_stages(self) -> list[list[int]]:
+        """The stages each rank runs, in order."""
+        return [sorted({t.action.stage for t in rank}) for rank in self.timeline]
+
+    @property
+    def one_stage_per_rank(self) -> bool:
+        return all(stages == [r] for r, stages in enumerate(self.rank_stages))
+
+    def row_label(self, rank: int, short: bool = False) -> str:
+        """ "s2"/"stage 2" when every rank runs one stage, else "r2"/"rank 2 (stages 2, 6)"."""
+        if self.one_stage_per_rank:
+            return f"s{rank}" if short else f"stage {rank}"
+        stages = ", ".join(map(str, self.rank_stages[rank]))
+        return f"r{rank}" if short else f"rank {rank} (stages {stages})"
 
     @property
     def microbatches(self) -> int:
         """Microbatches that went through the pipeline (forwards run at stage 0)."""
-        return sum(t.action.kind is ActionKind.F for t in self.timeline[0])
+        return sum(
+            t.action.kind is ActionKind.F and t.action.stage == 0
+            for rank in self.timeline
+            for t in rank
+        )
 
     @cached_property
     def makespan(self) -> float:
@@ -79,12 +115,12 @@ class SimResult:
 
     @property
     def bubble_fraction(self) -> list[float]:
-        """Per stage: the share of the makespan the stage spends idle."""
+        """Per rank: the share of the makespan the rank spends idle."""
         return [i / self.makespan if self.makespan else 0.0 for i in self.idle]
 
     @property
     def bubble_fraction_overall(self) -> float:
-        return sum(self.bubble_fraction) / self.stages
+        return sum(self.bubble_fraction) / self.ranks
 
     @property
     def throughput(self) -> float:
@@ -127,58 +163,114 @@ def _message(action: Action) -> tuple[str, int, int, int | None]:
     return (_MESSAGE_OF[action.kind], action.peer, action.stage, action.microbatch)
 
 
-class _StageState:
-    """What one stage holds while it executes its list; records what it could not do."""
+class _RankState:
+    """What one rank holds for its stages while it executes its list; records what it could
+    not do."""
 
-    def __init__(self, actions: list[Action], last_stage: int, violations: list[str]) -> None:
+    def __init__(
+        self, actions: list[Action], rank_of: dict[int, int], last_stage: int, violations: list[str]
+    ) -> None:
+        self.rank_of = rank_of
         self.last_stage = last_stage
         self.violations = violations
         self.last_use = version_last_uses(actions)
-        self.newest = 0
-        self.held = {0}
-        self.peak_versions = 1
-        self.in_flight: dict[int | None, int] = {}  # microbatch -> version of its forward
+        stages = sorted({a.stage for a in actions})
+        self.newest = dict.fromkeys(stages, 0)
+        self.held = {s: {0} for s in stages}
+        self.peak_versions = len(stages)
+        self.stage_peak_versions = dict.fromkeys(stages, 1)
+        self.in_flight: dict[tuple[int, int | None], int] = {}  # (stage, mb) -> forward's version
+        self.input_done: set[tuple[int, int | None]] = set()  # I ran, W still to run
         self.peak_activations = 0
-        self.received: set[tuple[str, int | None]] = set()
-        self.done: set[tuple[ActionKind, int | None]] = set()
+        self.received: set[tuple[str, int, int | None]] = set()  # (what, stage, microbatch)
+        self.done: set[tuple[ActionKind, int, int | None]] = set()
 
     def execute(self, index: int, a: Action) -> None:
         if a.kind.is_compute:
             self._compute(a)
         elif a.kind is ActionKind.STEP:
-            if a.version != self.newest + 1:
+            if a.version != self.newest[a.stage] + 1:
                 self.violations.append(
-                    f"{a} produces v{a.version} but the stage holds v{self.newest}"
+                    f"{a} produces v{a.version} but the stage holds v{self.newest[a.stage]}"
                 )
-            self.newest = a.version
-            self.held.add(a.version)
+            self.newest[a.stage] = a.version
+            self.held[a.stage].add(a.version)
         elif a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
-            self.received.add((_MESSAGE_OF[a.kind], a.microbatch))
+            self.received.add((_MESSAGE_OF[a.kind], a.stage, a.microbatch))
         else:
-            source = ActionKind.F if a.kind is ActionKind.SEND_ACT else ActionKind.B
-            if (source, a.microbatch) not in self.done:
+            source = "F" if a.kind is ActionKind.SEND_ACT else "B or I"
+            kinds = (
+                (ActionKind.F,) if a.kind is ActionKind.SEND_ACT else (ActionKind.B, ActionKind.I)
+            )
+            if not any((k, a.stage, a.microbatch) in self.done for k in kinds):
                 self.violations.append(f"{a} sends before {source}{a.microbatch} ran")
-        self.held = {v for v in self.held if v == self.newest or self.last_use.get(v, -1) > index}
-        self.peak_versions = max(self.peak_versions, len(self.held))
+        for stage, held in self.held.items():
+            newest = self.newest[stage]
+            self.held[stage] = {
+                v for v in held if v == newest or self.last_use.get((stage, v), -1) > index
+            }
+            self.stage_peak_versions[stage] = max(
+                self.stage_peak_versions[stage], len(self.held[stage])
+            )
+        self.peak_versions = max(self.peak_versions, sum(map(len, self.held.values())))
 
     def _compute(self, a: Action) -> None:
-        if (a.kind, a.microbatch) in self.done:
+        key = (a.stage, a.microbatch)
+        repeated = (a.kind, *key) in self.done or (
+            a.kind.makes_input_gradient
+            and any((k, *key) in self.done for k in (ActionKind.B, ActionKind.I))
+        )
+        if repeated:
             self.violations.append(f"{a} runs a second time")
-        self.done.add((a.kind, a.microbatch))
-        if a.version not in self.held:
-            state = "not produced yet" if a.version > self.newest else "skipped by the STEPs"
+        self.done.add((a.kind, *key))
+        if a.version not in self.held[a.stage]:
+            newest = self.newest[a.stage]
+            state = "not produced yet" if a.version > newest else "skipped by the STEPs"
             self.violations.append(f"{a} needs weight version {a.version}, {state} at this stage")
-        needs = "activation" if a.kind is ActionKind.F else "gradient"
-        has_peer = a.stage > 0 if a.kind is ActionKind.F else a.stage < self.last_stage
-        if has_peer and (needs, a.microbatch) not in self.received:
-            self.violations.append(f"{a} runs before its {needs} was received")
+        if a.kind is ActionKind.F or a.kind.makes_input_gradient:
+            needs = "activation" if a.kind is ActionKind.F else "gradient"
+            has_peer = a.stage > 0 if a.kind is ActionKind.F else a.stage < self.last_stage
+            if has_peer and (needs, *key) not in self.received:
+                self.violations.append(f"{a} runs before its {needs} was received")
         if a.kind is ActionKind.F:
-            self.in_flight[a.microbatch] = a.version
+            self.in_flight[key] = a.version
             self.peak_activations = max(self.peak_activations, len(self.in_flight))
-        elif a.microbatch not in self.in_flight:
+            self._pass_locally("activation", a.stage + 1, a.microbatch, a.stage)
+            return
+        if key not in self.in_flight:
             self.violations.append(f"{a} runs without its forward")
-        elif (forward_version := self.in_flight.pop(a.microbatch)) != a.version:
-            self.violations.append(f"{a} uses v{a.version} but its forward used v{forward_version}")
+            return
+        if self.in_flight[key] != a.version:
+            self.violations.append(
+                f"{a} uses v{a.version} but its forward used v{self.in_flight[key]}"
+            )
+        if a.kind is ActionKind.I:
+            self.input_done.add(key)
+        if a.kind is ActionKind.W and key not in self.input_done:
+            self.violations.append(f"{a} runs before its I")
+        if a.kind.makes_input_gradient:
+            self._pass_locally("gradient", a.stage - 1, a.microbatch, a.stage)
+        if a.kind.makes_weight_gradient:
+            del self.in_flight[key]
+            self.input_done.discard(key)
+
+    def _pass_locally(self, what: str, to: int, microbatch: int | None, frm: int) -> None:
+        """Hand ``what`` to stage ``to`` if it runs on this rank (no message needed)."""
+        if 0 <= to <= self.last_stage and self.rank_of[to] == self.rank_of[frm]:
+            self.received.add((what, to, microbatch))
+
+
+def _check_placement(lowered: Schedule) -> tuple[dict[int, int], int]:
+    """Each stage's rank and the number of stages; a malformed schedule raises."""
+    rank_of = stage_ranks(lowered)
+    stages = stage_count(lowered)
+    for rank_actions in lowered:
+        for a in rank_actions:
+            if a.kind.is_comm and (
+                a.peer is None or not 0 <= a.peer < stages or rank_of[a.peer] == rank_of[a.stage]
+            ):
+                raise ScheduleError(f"{a} needs a peer stage on another rank, in 0..{stages - 1}")
+    return rank_of, stages
 
 
 def simulate(
@@ -187,68 +279,79 @@ def simulate(
     bwd: float | Sequence[float] = 2.0,
     comm: float = 0.0,
     on_progress: Callable[[float], object] | None = None,
+    wgrad: float | Sequence[float] | None = None,
 ) -> SimResult:
-    """Run a lowered schedule; ``fwd``/``bwd`` are one time for all stages or one per stage.
+    """Run a lowered schedule; ``fwd``/``bwd``/``wgrad`` are one time for all stages or one per
+    stage. ``wgrad`` is the W share of a split backward (default: half of ``bwd``).
 
     ``on_progress`` is called with the share of all actions executed since its last call.
     """
-    stages = len(lowered)
-    if stages == 0:
-        raise ScheduleError("the schedule has no stages")
+    ranks = len(lowered)
+    if ranks == 0:
+        raise ScheduleError("the schedule has no ranks")
+    rank_of, stages = _check_placement(lowered)
+    backward = _per_stage(bwd, stages, "bwd")
+    weight = [b / 2 for b in backward] if wgrad is None else _per_stage(wgrad, stages, "wgrad")
+    if any(w >= b for w, b in zip(weight, backward, strict=True)):
+        raise ScheduleError(
+            f"wgrad times {weight} must be below the backward times {backward}: a split "
+            "backward's I takes bwd - wgrad"
+        )
     durations = {
         ActionKind.F: _per_stage(fwd, stages, "fwd"),
-        ActionKind.B: _per_stage(bwd, stages, "bwd"),
+        ActionKind.B: backward,
+        ActionKind.I: [b - w for b, w in zip(backward, weight, strict=True)],
+        ActionKind.W: weight,
     }
     if not (math.isfinite(comm) and comm >= 0):
         raise ScheduleError(f"comm latency must be >= 0 and finite, got {comm}")
-    for s, stage_actions in enumerate(lowered):
-        for a in stage_actions:
-            if a.stage != s:
-                raise ScheduleError(f"{a} is listed under stage {s}")
-            if a.kind.is_comm and (a.peer is None or not 0 <= a.peer < stages or a.peer == s):
-                raise ScheduleError(f"{a} needs a peer stage other than {s} in 0..{stages - 1}")
 
     violations: list[str] = []
-    states = [_StageState(stage_actions, stages - 1, violations) for stage_actions in lowered]
+    states = [_RankState(rank_actions, rank_of, stages - 1, violations) for rank_actions in lowered]
     arrivals: dict[tuple[str, int, int, int | None], float] = {}
-    position = [0] * stages
-    clock = [0.0] * stages
-    timeline: list[list[TimedAction]] = [[] for _ in range(stages)]
+    position = [0] * ranks
+    clock = [0.0] * ranks
+    timeline: list[list[TimedAction]] = [[] for _ in range(ranks)]
     total, reported = max(sum(map(len, lowered)), 1), 0.0
     progress = True
     while progress:
         progress = False
-        for s in range(stages):
-            while position[s] < len(lowered[s]):
-                a = lowered[s][position[s]]
-                start = clock[s]
+        for r in range(ranks):
+            while position[r] < len(lowered[r]):
+                a = lowered[r][position[r]]
+                start = clock[r]
                 if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
                     if _message(a) not in arrivals:
                         break
                     start = max(start, arrivals.pop(_message(a)))
-                end = start + durations[a.kind][s] if a.kind.is_compute else start
+                end = start + durations[a.kind][a.stage] if a.kind.is_compute else start
                 if a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
                     if _message(a) in arrivals:
                         violations.append(f"{a} sends a message that is already pending")
                     arrivals[_message(a)] = end + comm
-                states[s].execute(position[s], a)
-                timeline[s].append(TimedAction(a, start, end))
-                clock[s] = end
-                position[s] += 1
+                states[r].execute(position[r], a)
+                timeline[r].append(TimedAction(a, start, end))
+                clock[r] = end
+                position[r] += 1
                 progress = True
         if on_progress is not None:
             done = sum(position) / total
             on_progress(done - reported)
             reported = done
-    stuck = [lowered[s][position[s]] for s in range(stages) if position[s] < len(lowered[s])]
+    stuck = [lowered[r][position[r]] for r in range(ranks) if position[r] < len(lowered[r])]
     if stuck:
         raise DeadlockError(stuck)
     violations += [
         f"{what} {mb} from stage {a} to {b} is never received" for what, a, b, mb in arrivals
     ]
+    stage_versions = [0] * stages
+    for st in states:
+        for stage, peak in st.stage_peak_versions.items():
+            stage_versions[stage] = peak
     return SimResult(
         timeline=timeline,
         peak_activations=[st.peak_activations for st in states],
         weight_versions=[st.peak_versions for st in states],
+        stage_weight_versions=stage_versions,
         violations=violations,
     )

@@ -28,7 +28,7 @@ def chrome_trace(panels: Sequence[tuple[str, SimResult]]) -> dict[str, object]:
                     "ph": "M",
                     "pid": pid,
                     "tid": s,
-                    "args": {"name": f"stage {s}"},
+                    "args": {"name": result.row_label(s)},
                 }
             )
             for t in stage:
@@ -47,6 +47,7 @@ def chrome_trace(panels: Sequence[tuple[str, SimResult]]) -> dict[str, object]:
                             "ph": "X",
                             "dur": (t.end - t.start) * MICROSECONDS_PER_UNIT,
                             "args": {
+                                "stage": a.stage,
                                 "microbatch": a.microbatch,
                                 "version": a.version,
                                 "step": a.step,
