@@ -55,7 +55,7 @@ def test_text_grid_wraps_to_width():
 
 def test_png_is_written(tmp_path):
     path = tmp_path / "schedule.png"
-    render_png([(name, result_of(name)) for name in SCHEDULE_NAMES], path)
+    render_png([(name, result_of(name, m=6)) for name in SCHEDULE_NAMES], path)
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(data) > 20_000
@@ -103,10 +103,11 @@ def test_cli_text_png_and_trace(tmp_path, capsys):
     assert sum(e["ph"] == "X" for e in events) == 2 * 2 * 4
 
 
-def test_cli_all_compares_the_four(capsys):
+def test_cli_all_compares_every_schedule(capsys):
     assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--steps", "2") == 0
     out = capsys.readouterr().out
-    assert out.count("s0 F0v0") == 4  # a grid per schedule
+    assert out.count("s0 F0v0") == 5  # a grid per schedule with one stage per rank
+    assert out.count("r0 F0.0v0") == 1  # interleaved-1f1b: rank 0 runs stages 0 and 2
     assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--no-grid") == 0
     out = capsys.readouterr().out
     assert "F0v0" not in out
@@ -153,9 +154,9 @@ def test_long_computations_show_progress(capsys, monkeypatch):
     """A computation that takes longer than PROGRESS_DELAY_S draws a bar on stderr; with no delay
     every one does, so a small case shows what a long one would."""
     monkeypatch.setattr(schedule_cli, "PROGRESS_DELAY_S", 0.0)
-    assert cli("--schedule", "all", "--stages", "3", "--microbatches", "4", "--no-grid") == 0
+    assert cli("--schedule", "all", "--stages", "3", "--microbatches", "6", "--no-grid") == 0
     bar = capsys.readouterr().err.split("\r")
-    assert bar[-1].startswith(f"{SCHEDULE_NAMES[-1]}: checking invariants: 100%|")  # all four done
+    assert bar[-1].startswith(f"{SCHEDULE_NAMES[-1]}: checking invariants: 100%|")  # all done
 
 
 def test_python_dash_m_errors_are_one_line():

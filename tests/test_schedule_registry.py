@@ -3,29 +3,36 @@ weight versions is what the generated action lists do, and the config and CLI of
 
 import pytest
 
-from nobubble.config import SCHEDULES, SYNC, SYNC_SCHEDULES
+from nobubble.config import SCHEDULES, SYNC, SYNC_SCHEDULES, ConfigError, TrainConfig, validate
 from nobubble.delay import stage_delays
 from nobubble.schedules import SCHEDULE_NAMES, check_invariants, generate, lower, simulate
 from nobubble.schedules.registry import SCHEDULES as SPECS
 
 
-def test_config_offers_sync_and_every_registered_schedule():
-    assert SCHEDULES == (SYNC, *SCHEDULE_NAMES)
-    assert SYNC_SCHEDULES == (SYNC, *(n for n, spec in SPECS.items() if spec.flushes))
+def test_config_offers_sync_and_every_trainable_schedule():
+    trainable = [n for n, spec in SPECS.items() if spec.trainable]
+    assert (SYNC, *trainable) == SCHEDULES
+    assert (SYNC, *(n for n, spec in SPECS.items() if spec.flushes)) == SYNC_SCHEDULES
     assert stage_delays(SYNC, 3) == [0, 0, 0]
+    for name in set(SCHEDULE_NAMES) - set(trainable):
+        with pytest.raises(ConfigError, match="the training runtime does not execute it yet"):
+            validate(TrainConfig(schedule=name, stages=2, microbatches=2, batch_size=2))
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_generated_schedules_keep_the_registered_promises(name, stages):
     spec = SPECS[name]
-    microbatches = max(stages, 2)
+    microbatches = 2 * stages
     actions = generate(name, stages, microbatches, steps=3)
     result = simulate(lower(actions))
     assert check_invariants(actions, name, result) == []  # delays per STEP, versions in budget
-    assert stage_delays(name, stages) == spec.delays(stages)
+    model_stages = stages * spec.default_chunks
+    assert result.stages == model_stages
+    assert stage_delays(name, model_stages) == spec.delays(model_stages)
     # the budget is tight: the schedule really holds that many versions at every stage
-    assert result.weight_versions == [spec.version_budget(s, stages) for s in range(stages)]
+    budgets = [spec.version_budget(s, model_stages) for s in range(model_stages)]
+    assert result.stage_weight_versions == budgets
 
 
 def test_flushing_schedules_have_no_delay_and_delayed_ones_do():

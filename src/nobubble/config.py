@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
 from nobubble.schedules.registry import SCHEDULES as PIPELINE_SCHEDULES
+from nobubble.schedules.registry import schedule_spec
 
 SYNC = "sync"  # no pipeline schedule: plain gradient accumulation (the pipeline runs it as 1f1b)
-SCHEDULES = (SYNC, *SCHEDULE_NAMES)
+SCHEDULES = (SYNC, *(name for name, spec in PIPELINE_SCHEDULES.items() if spec.trainable))
 SYNC_SCHEDULES = (SYNC, *(name for name, spec in PIPELINE_SCHEDULES.items() if spec.flushes))
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
@@ -393,6 +393,13 @@ def validate(cfg: TrainConfig) -> None:
 
     _choice("preset", cfg.preset, PRESETS)
     _choice("optim", cfg.optim, OPTIMIZERS)
+    spec = PIPELINE_SCHEDULES.get(cfg.schedule)
+    if spec is not None and not spec.trainable:
+        raise ConfigError(
+            f"schedule {cfg.schedule!r} is simulated and drawn by `nobubble schedule`, but the "
+            "training runtime does not execute it yet; train with one of: "
+            f"{', '.join(SCHEDULES)} (synchronous ones give the same losses and weights)"
+        )
     _choice("schedule", cfg.schedule, SCHEDULES)
     _choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
     _choice("dtype", cfg.dtype, DTYPES)

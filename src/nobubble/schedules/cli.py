@@ -14,10 +14,10 @@ from nobubble.schedules.generators import generate
 from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import ScheduleError
 from nobubble.schedules.lowering import lower
-from nobubble.schedules.registry import SCHEDULE_NAMES
+from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import render_text
-from nobubble.schedules.simulator import SimResult, simulate
+from nobubble.schedules.simulator import SimResult, simulate, split_rank_times
 from nobubble.schedules.trace import write_trace
 
 PROGRESS_DELAY_S = 1.0  # work that takes longer draws a progress bar on stderr
@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "runs M*steps updates) (default: 3)",
     )
     parser.add_argument(
+        "--chunks",
+        type=int,
+        help="stages per rank for interleaved-1f1b (default: 2); the times below are per rank "
+        "and split equally over its stages",
+    )
+    parser.add_argument(
         "--fwd",
         type=_times,
         default=1.0,
@@ -60,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--bwd", type=_times, default=2.0, help="backward time, or one per stage (default: 2)"
+    )
+    parser.add_argument(
+        "--wgrad",
+        type=_times,
+        help="the weight-gradient part of the backward, where a schedule splits it (zb-h1: its W "
+        "takes wgrad, its I bwd - wgrad), or one per stage (default: half the backward)",
     )
     parser.add_argument(
         "--comm", type=float, default=0.0, help="latency of every send (default: 0)"
@@ -116,6 +128,10 @@ def _check(args: argparse.Namespace) -> None:
     """What can be wrong with the flags, found before any work."""
     if args.width < 1:
         raise ScheduleError(f"--width must be at least 1, got {args.width}")
+    if args.chunks is not None and args.schedule != "all":
+        problem = schedule_spec(args.schedule).chunk_problem(args.chunks)
+        if problem:
+            raise ScheduleError(f"--chunks: {problem}")
     for flag, path in (("--png", args.png), ("--trace", args.trace)):
         if path:
             check_output_file(path, flag)
@@ -149,11 +165,19 @@ def run(args: argparse.Namespace) -> int:
     with _progress(len(names)) as bar:  # a schedule's simulation moves it by one
         for name in names:
             _phase(bar, f"{name}: generating")
-            actions = generate(name, args.stages, args.microbatches, args.steps)
+            chunks = args.chunks if schedule_spec(name).interleaved else None
+            actions = generate(name, args.stages, args.microbatches, args.steps, chunks)
             lowered = lower(actions)
             _phase(bar, f"{name}: simulating")
             results[name] = simulate(
-                lowered, fwd=args.fwd, bwd=args.bwd, comm=args.comm, on_progress=bar.update
+                lowered,
+                fwd=split_rank_times(args.fwd, actions, "--fwd"),
+                bwd=split_rank_times(args.bwd, actions, "--bwd"),
+                wgrad=None
+                if args.wgrad is None
+                else split_rank_times(args.wgrad, actions, "--wgrad"),
+                comm=args.comm,
+                on_progress=bar.update,
             )
             _phase(bar, f"{name}: checking invariants")
             violations[name] = check_invariants(actions, name, results[name])
@@ -174,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
                 "steps": args.steps,
                 "fwd": args.fwd,
                 "bwd": args.bwd,
+                "wgrad": args.wgrad,
+                "chunks": results[name].stages // args.stages,
                 "comm": args.comm,
                 **result.summary(),
                 "invariant_violations": violations[name],

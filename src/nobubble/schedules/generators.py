@@ -1,9 +1,18 @@
-"""Generators: (schedule, P stages, M microbatches, steps) -> per-stage F/B/STEP action lists.
+"""Generators: (schedule, P ranks, M microbatches, steps) -> per-rank F/B/I/W/STEP action lists.
 
-All four schedules are one of two microbatch orders (GPipe: all forwards then all backwards;
-1F1B: P-1-s warm-up forwards, then alternate forward/backward, then the remaining backwards)
-applied to either one minibatch at a time (flush before every step) or to the whole run at once
-(no flush), plus a rule for where STEPs go and which weight version each forward uses.
+Every schedule is a microbatch order per rank, applied either to one minibatch at a time (flush
+before every step) or to the whole run at once (no flush), plus a rule for where STEPs go and
+which weight version each forward uses (the schedule's registry spec says which):
+
+* gpipe: all forwards, then all backwards.
+* 1f1b: P-1-s warm-up forwards, then alternate forward/backward, then the remaining backwards.
+* interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v stages per rank, stage c·P + r on
+  rank r; forwards go through the rank's stages in groups of P microbatches, with a longer
+  warm-up, so the bubble shrinks by v at the cost of v times the messages.
+* ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each backward
+  split into I (input gradient, on the critical path) and W (weight gradient, which can wait);
+  rank r keeps up to r W's pending and runs them while it would otherwise wait for a gradient,
+  so at most P microbatches are in flight on any rank, as on 1F1B's first rank.
 """
 
 from __future__ import annotations
@@ -11,91 +20,158 @@ from __future__ import annotations
 from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from nobubble.schedules.registry import ScheduleSpec, schedule_spec
 
-Order = list[tuple[ActionKind, int]]
+Order = list[tuple[ActionKind, int, int]]  # (kind, stage, microbatch)
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 
 
-def gpipe_order(microbatches: range) -> Order:
-    return [(ActionKind.F, k) for k in microbatches] + [(ActionKind.B, k) for k in microbatches]
+def gpipe_order(stage: int, microbatches: range) -> Order:
+    return [(F, stage, k) for k in microbatches] + [(B, stage, k) for k in microbatches]
 
 
 def one_f_one_b_order(stage: int, stages: int, microbatches: range) -> Order:
     """1F1B: stage s runs P-1-s forwards ahead, so at most P-s activations are in flight."""
     n = len(microbatches)
     warmup = min(stages - 1 - stage, n)
-    order: Order = [(ActionKind.F, microbatches[i]) for i in range(warmup)]
+    order: Order = [(F, stage, microbatches[i]) for i in range(warmup)]
     for i in range(n - warmup):
-        order += [(ActionKind.F, microbatches[i + warmup]), (ActionKind.B, microbatches[i])]
-    order += [(ActionKind.B, microbatches[i]) for i in range(n - warmup, n)]
+        order += [(F, stage, microbatches[i + warmup]), (B, stage, microbatches[i])]
+    order += [(B, stage, microbatches[i]) for i in range(n - warmup, n)]
+    return order
+
+
+def interleaved_order(rank: int, ranks: int, chunks: int, microbatches: range) -> Order:
+    """Interleaved 1F1B on rank r of P with v chunks (stages r, P + r, ..., (v-1)·P + r).
+
+    The rank's i-th forward is microbatch (i // (P·v))·P + i % P of its chunk (i // P) % v; its
+    i-th backward the same microbatch of chunk v-1 - (i // P) % v. It runs 2·(P-1-r) + (v-1)·P
+    forwards ahead (all of them if fewer), then one forward and one backward at a time.
+    """
+    total = len(microbatches) * chunks
+
+    def task(i: int, backward: bool) -> tuple[int, int]:
+        chunk = (i // ranks) % chunks
+        if backward:
+            chunk = chunks - 1 - chunk
+        k = (i // (ranks * chunks)) * ranks + i % ranks
+        return chunk * ranks + rank, microbatches[k]
+
+    warmup = min(2 * (ranks - 1 - rank) + (chunks - 1) * ranks, total)
+    order: Order = [(F, *task(i, False)) for i in range(warmup)]
+    for i in range(total - warmup):
+        order += [(F, *task(i + warmup, False)), (B, *task(i, True))]
+    order += [(B, *task(i, True)) for i in range(total - warmup, total)]
+    return order
+
+
+def zero_bubble_h1_order(stage: int, stages: int, microbatches: range) -> Order:
+    """ZB-H1 at stage s (one stage per rank): 1F1B's F/I order, each W after the I that makes
+    it pending beyond s pending W's, the last s W's at the end of the step."""
+    order: Order = []
+    pending: list[int] = []
+
+    def input_gradient(k: int) -> None:
+        order.append((I, stage, k))
+        pending.append(k)
+        while len(pending) > stage:
+            order.append((W, stage, pending.pop(0)))
+
+    for kind, _, k in one_f_one_b_order(stage, stages, microbatches):
+        if kind is F:
+            order.append((F, stage, k))
+        else:
+            input_gradient(k)
+    order += [(W, stage, k) for k in pending]
     return order
 
 
 def _emit(
-    stage: int, order: Order, microbatches: int, *, step_per_microbatch: bool, delayed: bool
+    rank_order: Order, microbatches: int, *, step_per_microbatch: bool, delayed: bool
 ) -> list[Action]:
-    """Turn a microbatch order into actions.
+    """Turn one rank's order into actions.
 
-    A STEP follows the last backward of each step (every backward if ``step_per_microbatch``). A
-    forward uses the newest version at this stage, or with ``delayed`` (2bw) version
-    max(t-1, 0) for minibatch t. A backward uses the version its forward used (weight stashing).
+    A stage's STEP follows its last weight gradient (B or W) of each step (every one if
+    ``step_per_microbatch``). A forward uses the newest version of its stage, or with
+    ``delayed`` (2bw) version max(t-1, 0) for minibatch t. A backward (B, I, W) uses the version
+    its forward used (weight stashing).
     """
+    per_step = 1 if step_per_microbatch else microbatches
 
     def step_of(k: int) -> int:
         return k if step_per_microbatch else k // microbatches
 
     actions: list[Action] = []
-    stashed: dict[int, int] = {}
-    produced = 0
-    for kind, k in order:
-        if kind is ActionKind.F:
-            stashed[k] = max(step_of(k) - 1, 0) if delayed else produced
-            actions.append(Action(ActionKind.F, stage, k, stashed[k], step_of(k)))
+    stashed: dict[tuple[int, int], int] = {}
+    produced: dict[int, int] = {}
+    applied: dict[tuple[int, int], int] = {}  # (stage, step) -> weight gradients so far
+    for kind, stage, k in rank_order:
+        t = step_of(k)
+        if kind is F:
+            version = max(t - 1, 0) if delayed else produced.get(stage, 0)
+            stashed[stage, k] = version
+            actions.append(Action(F, stage, k, version, t))
             continue
-        actions.append(Action(ActionKind.B, stage, k, stashed.pop(k), step_of(k)))
-        if step_per_microbatch or k % microbatches == microbatches - 1:
-            produced += 1
-            actions.append(Action(ActionKind.STEP, stage, None, produced, step_of(k)))
+        version = stashed[stage, k] if kind is I else stashed.pop((stage, k))
+        actions.append(Action(kind, stage, k, version, t))
+        if kind.makes_weight_gradient:
+            applied[stage, t] = applied.get((stage, t), 0) + 1
+            if applied[stage, t] == per_step:
+                produced[stage] = produced.get(stage, 0) + 1
+                actions.append(Action(ActionKind.STEP, stage, None, produced[stage], t))
     return actions
 
 
-def _validate(spec: ScheduleSpec, stages: int, microbatches: int, steps: int) -> None:
+def _validate(spec: ScheduleSpec, stages: int, microbatches: int, steps: int, chunks: int) -> None:
     for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps)):
         if value < 1:
             raise ScheduleError(f"{name} must be at least 1, got {value}")
-    problem = spec.microbatch_problem(stages, microbatches)
+    problem = spec.microbatch_problem(stages, microbatches) or spec.chunk_problem(chunks)
     if problem:
         raise ScheduleError(problem)
 
 
-def _stage_order(
-    spec: ScheduleSpec, stage: int, stages: int, microbatches: int, steps: int
+def _rank_order(
+    spec: ScheduleSpec, rank: int, ranks: int, chunks: int, microbatches: range
 ) -> Order:
-    if spec.flushes:  # one minibatch at a time
-        order: Order = []
-        for t in range(steps):
-            block = range(t * microbatches, (t + 1) * microbatches)
-            if spec.order == "gpipe":
-                order += gpipe_order(block)
-            else:
-                order += one_f_one_b_order(stage, stages, block)
-        return order
-    return one_f_one_b_order(stage, stages, range(microbatches * steps))  # no flush
+    if spec.order == "gpipe":
+        return gpipe_order(rank, microbatches)
+    if spec.order == "interleaved":
+        return interleaved_order(rank, ranks, chunks, microbatches)
+    if spec.order == "zb-h1":
+        return zero_bubble_h1_order(rank, ranks, microbatches)
+    return one_f_one_b_order(rank, ranks, microbatches)
 
 
-def generate(schedule: str, stages: int, microbatches: int, steps: int) -> Schedule:
-    """Per-stage F/B/STEP lists for ``steps`` optimizer steps of ``microbatches`` each.
+def generate(
+    schedule: str, stages: int, microbatches: int, steps: int, chunks: int | None = None
+) -> Schedule:
+    """Per-rank action lists for ``steps`` optimizer steps of ``microbatches`` each, on
+    ``stages`` ranks (pipeline stages); ``chunks`` stages per rank where the schedule takes
+    several (default: the spec's), so the model is cut into ``stages * chunks`` stages.
 
     pipedream steps after every microbatch, so it runs ``microbatches * steps`` optimizer steps
     (the training config uses M=1 for it).
     """
     spec = schedule_spec(schedule)
-    _validate(spec, stages, microbatches, steps)
+    chunks = spec.default_chunks if chunks is None else chunks
+    _validate(spec, stages, microbatches, steps, chunks)
+
+    def order(rank: int) -> Order:
+        if not spec.flushes:  # the whole run at once
+            return _rank_order(spec, rank, stages, chunks, range(microbatches * steps))
+        return [
+            item
+            for t in range(steps)
+            for item in _rank_order(
+                spec, rank, stages, chunks, range(t * microbatches, (t + 1) * microbatches)
+            )
+        ]
+
     return [
         _emit(
-            s,
-            _stage_order(spec, s, stages, microbatches, steps),
+            order(r),
             microbatches,
             step_per_microbatch=spec.step_per_microbatch,
             delayed=spec.forwards_use_previous_step,
         )
-        for s in range(stages)
+        for r in range(stages)
     ]

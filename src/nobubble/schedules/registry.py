@@ -33,6 +33,16 @@ def _any_microbatches(stages: int, microbatches: int) -> str | None:
     return None
 
 
+def _multiple_of_stages(stages: int, microbatches: int) -> str | None:
+    if microbatches % stages:
+        return (
+            f"interleaved-1f1b runs microbatches in groups of P through each rank's stages, so M "
+            f"must be a multiple of P (got M={microbatches}, P={stages}); use "
+            f"{-(-microbatches // stages) * stages} microbatches"
+        )
+    return None
+
+
 def _at_least_stages(stages: int, microbatches: int) -> str | None:
     if stages > 1 and microbatches < stages:
         return (
@@ -49,7 +59,7 @@ def _at_least_stages(stages: int, microbatches: int) -> str | None:
 class ScheduleSpec:
     name: str
     summary: str
-    order: str  # microbatch order per stage: "gpipe" (all F, then all B) or "1f1b"
+    order: str  # microbatch order per rank: gpipe, 1f1b, interleaved or zb-h1 (generators.py)
     flushes: bool  # synchronous: every step's gradients are computed at the weights it updates
     # 2bw: every forward of step t uses version t-1, even once version t exists (double buffer);
     # otherwise a forward uses the newest version the stage holds
@@ -59,6 +69,9 @@ class ScheduleSpec:
     step_per_microbatch: bool
     delay_rule: Callable[[int, int], int]  # (stage, stages) -> gradient delay in steps
     microbatch_rule: Callable[[int, int], str | None]  # (stages, M) -> why it cannot run, or None
+    default_chunks: int = 1  # stages per rank; above 1, the schedule takes any number >= 2
+    split_backward: bool = False  # backwards are I + W (zero-bubble), not B
+    trainable: bool = True  # both training backends run it (else: `nobubble schedule` only)
 
     def delay(self, stage: int, stages: int) -> int:
         """How many versions older than the weights it updates a stage's applied gradient is."""
@@ -75,6 +88,19 @@ class ScheduleSpec:
     def microbatch_problem(self, stages: int, microbatches: int) -> str | None:
         """Why ``microbatches`` per step cannot run on ``stages`` stages, or None."""
         return self.microbatch_rule(stages, microbatches)
+
+    @property
+    def interleaved(self) -> bool:
+        """Several stages per rank."""
+        return self.default_chunks > 1
+
+    def chunk_problem(self, chunks: int) -> str | None:
+        """Why ``chunks`` stages per rank cannot run, or None."""
+        if self.interleaved and chunks < 2:
+            return f"{self.name} needs at least 2 stages per rank (chunks), got {chunks}"
+        if not self.interleaved and chunks != 1:
+            return f"{self.name} runs one stage per rank; chunks={chunks} needs interleaved-1f1b"
+        return None
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -119,6 +145,32 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             step_per_microbatch=True,
             delay_rule=_downstream_stages,
             microbatch_rule=_any_microbatches,
+        ),
+        ScheduleSpec(
+            "interleaved-1f1b",
+            "1F1B over v stages per rank (Megatron-LM): the bubble shrinks by v, the messages "
+            "grow by v; flush before each step",
+            order="interleaved",
+            flushes=True,
+            forwards_use_previous_step=False,
+            step_per_microbatch=False,
+            delay_rule=_no_delay,
+            microbatch_rule=_multiple_of_stages,
+            default_chunks=2,
+            trainable=False,
+        ),
+        ScheduleSpec(
+            "zb-h1",
+            "1F1B with each backward split into input and weight gradients, the weight ones "
+            "filling the cool-down (zero-bubble H1); flush before each step",
+            order="zb-h1",
+            flushes=True,
+            forwards_use_previous_step=False,
+            step_per_microbatch=False,
+            delay_rule=_no_delay,
+            microbatch_rule=_any_microbatches,
+            split_backward=True,
+            trainable=False,
         ),
     )
 }

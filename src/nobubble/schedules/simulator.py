@@ -63,8 +63,10 @@ class TimedAction:
 @dataclass(frozen=True)
 class SimResult:
     timeline: list[list[TimedAction]]  # per rank, in execution order, every action
-    peak_activations: list[int]  # per rank: most forwards whose B (or W) has not yet run
-    weight_versions: list[int]  # per rank: most weight versions held at once (all its stages)
+    # per rank: most forwards whose B (or W) has not yet run, counted per stage (under
+    # interleaving a stage holds 1/v of the rank's layers, so its activations are that smaller)
+    peak_activations: list[int]
+    weight_versions: list[int]  # per rank: most versions any of its stages holds at once
     stage_weight_versions: list[int]  # per stage: most weight versions held at once
     violations: list[str] = field(default_factory=list)
 
@@ -155,6 +157,21 @@ def _per_stage(value: float | Sequence[float], stages: int, name: str) -> list[f
     return values
 
 
+def split_rank_times(
+    times: float | Sequence[float], actions: Schedule, name: str = "times"
+) -> list[float]:
+    """Per-stage times from one time per rank (or one for all): a rank's time is its share of
+    the model, which its stages split equally (interleaving v stages per rank: each 1/v)."""
+    ranks = len(actions)
+    per_rank = _per_stage(times, ranks, name) if not isinstance(times, int | float) else None
+    rank_of = stage_ranks(actions)
+    on_rank = [sum(1 for r in rank_of.values() if r == rank) for rank in range(ranks)]
+    return [
+        (float(times) if per_rank is None else per_rank[rank_of[s]]) / on_rank[rank_of[s]]
+        for s in range(len(rank_of))
+    ]
+
+
 def _message(action: Action) -> tuple[str, int, int, int | None]:
     """(what, from stage, to stage, microbatch): equal for a SEND and its RECV."""
     assert action.peer is not None
@@ -177,7 +194,6 @@ class _RankState:
         stages = sorted({a.stage for a in actions})
         self.newest = dict.fromkeys(stages, 0)
         self.held = {s: {0} for s in stages}
-        self.peak_versions = len(stages)
         self.stage_peak_versions = dict.fromkeys(stages, 1)
         self.in_flight: dict[tuple[int, int | None], int] = {}  # (stage, mb) -> forward's version
         self.input_done: set[tuple[int, int | None]] = set()  # I ran, W still to run
@@ -212,7 +228,6 @@ class _RankState:
             self.stage_peak_versions[stage] = max(
                 self.stage_peak_versions[stage], len(self.held[stage])
             )
-        self.peak_versions = max(self.peak_versions, sum(map(len, self.held.values())))
 
     def _compute(self, a: Action) -> None:
         key = (a.stage, a.microbatch)
@@ -351,7 +366,7 @@ def simulate(
     return SimResult(
         timeline=timeline,
         peak_activations=[st.peak_activations for st in states],
-        weight_versions=[st.peak_versions for st in states],
+        weight_versions=[max(st.stage_peak_versions.values()) for st in states],
         stage_weight_versions=stage_versions,
         violations=violations,
     )
