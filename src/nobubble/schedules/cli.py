@@ -98,7 +98,8 @@ def _percent(x: float) -> str:
 
 def _stage_table(result: SimResult) -> str:
     head = "stage" if result.one_stage_per_rank else "rank"
-    width = max(len(head), *(len(result.row_label(r, short=True)) for r in range(result.ranks)))
+    labels = (len(result.row_label(r, short=True)) for r in range(result.ranks))
+    width = max(len(head), *labels) + 1
     lines = [f"{head.ljust(width)} busy    idle    bubble  peak activations  weight versions"]
     for s in range(result.ranks):
         lines.append(
