@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     from nobubble import bench, report, sweep
     from nobubble.downstream import cli as eval_cli
     from nobubble.hf import cli as export_cli
+    from nobubble.planning import cli as plan_cli
     from nobubble.schedules import cli as schedule_cli
 
     parser = argparse.ArgumentParser(
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench", bench, "pipeline throughput and memory: every schedule vs torch's pipelining"),
         ("export", export_cli, "a run's checkpoint as a Hugging Face Llama model folder"),
         ("eval", eval_cli, "benchmark scores of a run's checkpoint (lm-evaluation-harness)"),
+        ("plan", plan_cli, "predicted step time and memory of every schedule on a cluster"),
     )
     for name, module, help_text in tools:
         sub = commands.add_parser(name, help=help_text)

@@ -1,0 +1,165 @@
+"""``nobubble plan``: predicted throughput and memory of every schedule on a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from nobubble.config import ConfigError
+from nobubble.planning.hardware import DEVICES, LINKS, Link
+from nobubble.planning.predict import Plan, Prediction, predict
+from nobubble.planning.shapes import PLANNING_SHAPES
+from nobubble.schedules import SCHEDULE_NAMES, schedule_spec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="llama3-8b", choices=list(PLANNING_SHAPES))
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=256,
+        help="vocabulary of a preset that takes it from its tokenizer (default: 256, bytes)",
+    )
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline ranks P")
+    parser.add_argument("--microbatches", type=int, default=16, help="microbatches M per step")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--chunks", type=int, default=2, help="stages per rank, interleaved-1f1b")
+    parser.add_argument("--gpu", default="h100", choices=list(DEVICES))
+    parser.add_argument("--peak-tflops", type=float, help="override the GPU's dense BF16 peak")
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        default=0.4,
+        help="share of the peak a stage's compute reaches (default: 0.4, an assumption)",
+    )
+    parser.add_argument("--p2p", default="ib-ndr", choices=list(LINKS), help="stage-to-stage link")
+    parser.add_argument("--p2p-gbps", type=float, help="override its GB/s (one direction)")
+    parser.add_argument("--p2p-latency-us", type=float, help="override its latency")
+    parser.add_argument(
+        "--allreduce", default="ib-ndr", choices=list(LINKS), help="data-parallel link"
+    )
+    parser.add_argument("--allreduce-gbps", type=float, help="override its GB/s")
+    parser.add_argument(
+        "--memory-limit-gb", type=float, help="memory per GPU to fit in (default: the GPU's)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _link(link: Link, gbps: float | None, latency_us: float | None) -> Link:
+    return dataclasses.replace(
+        link,
+        gb_per_s=link.gb_per_s if gbps is None else gbps,
+        latency_us=link.latency_us if latency_us is None else latency_us,
+    )
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    for flag, value in (
+        ("--seq-len", args.seq_len), ("--microbatch-size", args.microbatch_size),
+        ("--stages", args.stages), ("--microbatches", args.microbatches), ("--dp", args.dp),
+        ("--vocab-size", args.vocab_size),
+    ):  # fmt: skip
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu is a share of the peak, in (0, 1]; got {args.mfu}")
+    for flag, value in (
+        ("--peak-tflops", args.peak_tflops), ("--p2p-gbps", args.p2p_gbps),
+        ("--allreduce-gbps", args.allreduce_gbps), ("--memory-limit-gb", args.memory_limit_gb),
+    ):  # fmt: skip
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    if args.p2p_latency_us is not None and args.p2p_latency_us < 0:
+        raise ConfigError(f"--p2p-latency-us must be >= 0, got {args.p2p_latency_us}")
+    model = PLANNING_SHAPES[args.preset]
+    if model.vocab_size is None:
+        model = dataclasses.replace(model, vocab_size=args.vocab_size)
+    device = DEVICES[args.gpu]
+    if args.peak_tflops is not None:
+        device = dataclasses.replace(device, peak_tflops=args.peak_tflops)
+    return Plan(
+        model=model,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        microbatch_size=args.microbatch_size,
+        seq_len=args.seq_len,
+        dp=args.dp,
+        device=device,
+        mfu=args.mfu,
+        p2p=_link(LINKS[args.p2p], args.p2p_gbps, args.p2p_latency_us),
+        allreduce=_link(LINKS[args.allreduce], args.allreduce_gbps, None),
+        chunks=args.chunks,
+    )
+
+
+def predictions(plan: Plan) -> tuple[list[Prediction], dict[str, str]]:
+    """Every schedule's prediction, fastest first, and why the others cannot run this shape."""
+    done, skipped = [], {}
+    for name in SCHEDULE_NAMES:
+        spec = schedule_spec(name)
+        chunks = plan.chunks if spec.interleaved else 1
+        problem = spec.microbatch_problem(plan.stages, plan.microbatches) or (
+            spec.chunk_problem(chunks)
+        )
+        if plan.model.n_layers < plan.stages * chunks:
+            problem = f"{plan.model.n_layers} blocks cannot fill {plan.stages * chunks} stages"
+        if problem:
+            skipped[name] = problem
+            continue
+        done.append(predict(plan, name))
+    return sorted(done, key=lambda p: p.step_s), skipped
+
+
+def table(results: list[Prediction], limit_gb: float) -> str:
+    lines = [
+        "| schedule | step (ms) | tokens/s | bubble | all-reduce exposed (ms) "
+        "| peak memory per GPU (GB) | fits |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for p in results:
+        lines.append(
+            f"| {p.schedule} | {p.step_s * 1e3:.1f} | {p.tokens_per_s:,.0f} | {p.bubble:.1%} "
+            f"| {p.exposed_allreduce_s * 1e3:.1f} | {p.peak_memory_gb:.1f} "
+            f"| {'yes' if p.peak_memory_gb <= limit_gb else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    limit = args.memory_limit_gb or plan.device.memory_gb
+    results, skipped = predictions(plan)
+    fitting = [p for p in results if p.peak_memory_gb <= limit]
+    best = fitting[0].schedule if fitting else None
+    if args.json:
+        print(json.dumps({
+            "plan": {
+                "preset": args.preset, "stages": plan.stages, "microbatches": plan.microbatches,
+                "microbatch_size": plan.microbatch_size, "seq_len": plan.seq_len, "dp": plan.dp,
+                "gpu": dataclasses.asdict(plan.device), "mfu": plan.mfu,
+                "p2p": dataclasses.asdict(plan.p2p),
+                "allreduce": dataclasses.asdict(plan.allreduce),
+                "memory_limit_gb": limit,
+            },
+            "predictions": [dataclasses.asdict(p) for p in results],
+            "skipped": skipped,
+            "best": best,
+        }, indent=2))  # fmt: skip
+        return 0
+    print(
+        f"{args.preset} on {plan.stages} x {plan.dp} {plan.device.name} (peak "
+        f"{plan.device.peak_tflops:g} TFLOP/s at MFU {plan.mfu:g}), M={plan.microbatches} x "
+        f"{plan.microbatch_size} x {plan.seq_len} tokens, p2p {plan.p2p.name}, dp all-reduce "
+        f"{plan.allreduce.name}"
+    )
+    print(table(results, limit))
+    for name, why in skipped.items():
+        print(f"{name}: not predicted: {why}")
+    if best is None:
+        print(f"no schedule fits in {limit:g} GB per GPU")
+    else:
+        print(f"best under {limit:g} GB per GPU: {best}")
+    return 0

@@ -1,0 +1,22 @@
+"""Model shapes to plan for: nobubble's presets and published shapes of larger models.
+
+Only the shape enters the cost model, so Llama 3's RoPE scaling and other details that nobubble's
+model does not implement do not matter here; these are not training presets.
+"""
+
+from __future__ import annotations
+
+from nobubble.model import PRESETS, ModelConfig
+
+# Published config.json shapes of meta-llama/Llama-3.2-1B and meta-llama/Meta-Llama-3-8B.
+PLANNING_SHAPES: dict[str, ModelConfig] = {
+    **PRESETS,
+    "llama3.2-1b": ModelConfig(
+        d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192, max_seq_len=8192,
+        vocab_size=128256, tie_embeddings=True,
+    ),
+    "llama3-8b": ModelConfig(
+        d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, max_seq_len=8192,
+        vocab_size=128256,
+    ),
+}  # fmt: skip

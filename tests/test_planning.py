@@ -1,0 +1,133 @@
+"""nobubble plan: stage costs by hand, predictions against the simulator's own arithmetic, the
+all-reduce rule, memory, and the command."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from nobubble.config import ConfigError
+from nobubble.model import ModelConfig
+from nobubble.planning import cli as plan_cli
+from nobubble.planning.costs import stage_costs
+from nobubble.planning.hardware import DEVICES, LINKS
+from nobubble.planning.predict import Plan, predict
+
+SHAPE = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
+                    vocab_size=100)  # fmt: skip
+
+
+def test_stage_costs_by_hand():
+    first, last = stage_costs(SHAPE, 2, seq_len=8, microbatch_size=2)
+    tokens = 16
+    block_weights = 2 * 64 * 16 * (4 + 2) + 3 * 64 * 128  # q,o + k,v; gate, up, down
+    block_flops = 2 * block_weights + 4 * 4 * 16 * 8  # matmuls + scores and weighted sum
+    assert (first.blocks, last.blocks) == (1, 1)
+    assert first.forward_flops == block_flops * tokens
+    assert last.forward_flops == (block_flops + 2 * 64 * 100) * tokens
+    assert first.parameters == block_weights + 2 * 64 + 64 * 100  # + 2 norms, the embedding
+    assert last.parameters == block_weights + 2 * 64 + 64 + 64 * 100  # + final norm, head
+    assert first.activation_bytes == 34 * tokens * 64
+    assert last.activation_bytes == 34 * tokens * 64 + 4 * tokens * 100
+    assert first.message_bytes == 2 * tokens * 64
+
+
+def plan(**changes) -> Plan:
+    base = Plan(
+        model=dataclasses.replace(SHAPE, n_layers=8), stages=4, microbatches=8,
+        microbatch_size=2, seq_len=32, dp=1, device=DEVICES["h100"], mfu=0.5,
+        p2p=dataclasses.replace(LINKS["ib-ndr"], latency_us=0.0, gb_per_s=1e12),
+        allreduce=LINKS["ib-ndr"],
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+def stage_seconds(p: Plan, chunks: int = 1) -> list[float]:
+    costs = stage_costs(p.model, p.stages * chunks, p.seq_len, p.microbatch_size)
+    return [3 * c.forward_flops / (p.device.peak_tflops * 1e12 * p.mfu) for c in costs]
+
+
+def test_2bw_runs_at_its_slowest_stage_and_1f1b_pays_a_fill_and_drain():
+    p = plan()
+    per_microbatch = stage_seconds(p)  # F + B of one microbatch per stage
+    two = predict(p, "2bw")
+    assert two.step_s == pytest.approx(p.microbatches * max(per_microbatch), rel=1e-9)
+    assert two.tokens_per_s == pytest.approx(8 * 2 * 32 / two.step_s)
+    one = predict(p, "1f1b")
+    assert one.step_s > two.step_s
+    assert one.step_s >= (p.microbatches + p.stages - 1) * min(per_microbatch)
+    assert predict(p, "gpipe").peak_memory_gb > one.peak_memory_gb  # M activations vs P-s
+
+
+def test_memory_of_1f1b_first_rank_by_hand():
+    p = plan()
+    first = stage_costs(p.model, 4, p.seq_len, p.microbatch_size)[0]
+    expected = first.parameters * (2 + 16) + 4 * first.activation_bytes  # 1 version, P in flight
+    assert predict(p, "1f1b").memory_gb[0] == pytest.approx(expected / 1e9)
+    two = stage_costs(p.model, 4, p.seq_len, p.microbatch_size)[0]
+    assert predict(p, "2bw").memory_gb[0] == pytest.approx(
+        (two.parameters * (2 * 2 + 16) + 4 * two.activation_bytes) / 1e9
+    )  # two weight versions
+
+
+def test_the_allreduce_is_exposed_after_a_flush_and_hidden_under_2bw():
+    ring = 2 * 3 / 4  # dp = 4
+    costs = stage_costs(plan().model, 4, 32, 2)
+    for gb_per_s in (1e6, 50.0):  # an all-reduce shorter, then longer, than a step's compute
+        p = plan(dp=4, allreduce=dataclasses.replace(LINKS["ib-ndr"], gb_per_s=gb_per_s))
+        allreduce = [ring * 4 * c.parameters / (gb_per_s * 1e9) for c in costs]
+        busy = [p.microbatches * t for t in stage_seconds(p)]
+        one, alone = predict(p, "1f1b"), predict(plan(), "1f1b")
+        assert one.exposed_allreduce_s == pytest.approx(max(allreduce))
+        assert one.step_s == pytest.approx(alone.step_s + max(allreduce))
+        hidden = max(max(a - b, 0.0) for a, b in zip(allreduce, busy, strict=True))
+        assert predict(p, "2bw").exposed_allreduce_s == pytest.approx(hidden)
+        assert (hidden == 0.0) == (gb_per_s == 1e6)
+
+
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    return plan_cli.run(parser.parse_args(list(argv)))
+
+
+def test_plan_prints_every_schedule_and_the_best_that_fits(capsys):
+    args = ("--preset", "small", "--seq-len", "256", "--stages", "2", "--microbatches", "4")
+    assert cli(*args) == 0
+    out = capsys.readouterr().out
+    for name in ("gpipe", "1f1b", "2bw", "pipedream", "interleaved-1f1b", "zb-h1"):
+        assert f"| {name} |" in out
+    assert "best under 80 GB per GPU: 2bw" in out
+    assert cli(*args, "--json") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["best"] == "2bw" and len(data["predictions"]) == 6
+    assert cli(*args, "--microbatches", "3") == 0  # M not a multiple of P: explained, not run
+    assert "interleaved-1f1b: not predicted: " in capsys.readouterr().out
+    assert (
+        cli(
+            "--preset",
+            "llama3-8b",
+            "--stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--memory-limit-gb",
+            "1",
+        )
+        == 0
+    )
+    assert "no schedule fits in 1 GB per GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--mfu", "1.5"), "--mfu is a share of the peak"),
+        (("--stages", "0"), "--stages must be at least 1"),
+        (("--p2p-gbps", "0"), "--p2p-gbps must be positive"),
+    ],
+)
+def test_bad_input_is_explained(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        cli(*argv)
