@@ -164,7 +164,7 @@ class TrainConfig:
     dc_lambda: float = _opt(0.04, "correction=dc: λ of g + λ·g⊙g⊙(w_now - w_stale)", NON_NEGATIVE)
 
     # --- schedule ---
-    schedule: str = _opt("sync", "sync | gpipe | 1f1b | 2bw | pipedream")
+    schedule: str = _opt("sync", " | ".join(SCHEDULES))
     stages: int = _opt(1, "pipeline stages P", POSITIVE)
     microbatches: int = _opt(1, "microbatches M per optimizer step", POSITIVE)
     dp: int = _opt(

@@ -376,6 +376,8 @@ class _Segment:
         self.batches: dict[int, tuple[torch.Tensor, ...]] = {}
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
         self.input_grads: dict[int, torch.Tensor] = {}
+        # I ran, W to run: mb -> (what to differentiate, the gradient it gets)
+        self.output_grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
@@ -484,6 +486,10 @@ class _Segment:
             self.forward(action)
         elif kind is ActionKind.B:
             self.backward(action)
+        elif kind is ActionKind.I:
+            self.input_gradient(action)
+        elif kind is ActionKind.W:
+            self.weight_gradient(action)
         elif kind is ActionKind.SEND_ACT:
             e.messenger.send(
                 self.stash[action.microbatch][1], action.peer, Channel.ACTIVATION, action.microbatch
@@ -513,15 +519,42 @@ class _Segment:
             self.losses[action.step] = self.losses.get(action.step, 0.0) + out.detach().double()
         self.stash[action.microbatch] = (x, out)
 
+    def _backward_target(self, action: Action) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a backward differentiates: the loss share (last stage) or this stage's output
+        with the next stage's gradient."""
+        out = self.stash[action.microbatch][1]
+        if self.e.last:
+            return out / self.e.micro_per_step, None
+        return out, self.received(ActionKind.RECV_GRAD, action.microbatch)
+
     def backward(self, action: Action) -> None:
-        e = self.e
-        x, out = self.stash.pop(action.microbatch)
-        if e.last:
-            (out / e.micro_per_step).backward()
-        else:
-            out.backward(self.received(ActionKind.RECV_GRAD, action.microbatch))
-        if not e.first:
+        target, grad = self._backward_target(action)
+        x, _ = self.stash.pop(action.microbatch)
+        target.backward(grad)
+        if not self.e.first:
             self.input_grads[action.microbatch] = x.grad
+
+    def input_gradient(self, action: Action) -> None:
+        """I of a split backward: the gradient the previous stage waits for, now; the graph is
+        kept for W. (The first stage has no input gradient to send: its I does nothing.)"""
+        target, grad = self._backward_target(action)
+        self.output_grads[action.microbatch] = (target, grad)
+        if not self.e.first:
+            x = self.stash[action.microbatch][0]
+            (self.input_grads[action.microbatch],) = torch.autograd.grad(
+                target, x, grad, retain_graph=True
+            )
+
+    def weight_gradient(self, action: Action) -> None:
+        """W of a split backward: the weights' gradients, accumulated as B accumulates them.
+
+        It runs the whole backward again over the kept graph (the input gradient it also
+        computes is dropped), so the weight gradients are B's bit for bit; a W that computed
+        only the weight-gradient matmuls would be cheaper (docs/pipeline.md)."""
+        target, grad = self.output_grads.pop(action.microbatch)
+        x, _ = self.stash.pop(action.microbatch)
+        target.backward(grad)
+        x.grad = None
 
     def step(self, step: int) -> None:
         """The STEP action: the gradient is complete; average it over the replicas and sum the
@@ -543,7 +576,7 @@ class _Segment:
     def finish_update_before(self, action: Action) -> None:
         """Finish a pending update before ``action`` if it needs the version the update makes
         (or is the next STEP, which reuses the gradients' place)."""
-        if self.pending is None or action.kind not in (ActionKind.F, ActionKind.B, ActionKind.STEP):
+        if self.pending is None or not (action.kind.is_compute or action.kind is ActionKind.STEP):
             return
         if action.kind is ActionKind.STEP or action.version > self.pending.step:
             self.finish_update()

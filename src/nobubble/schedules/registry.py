@@ -170,7 +170,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             delay_rule=_no_delay,
             microbatch_rule=_any_microbatches,
             split_backward=True,
-            trainable=False,
         ),
     )
 }
