@@ -431,6 +431,13 @@ def validate(cfg: TrainConfig) -> None:
         problem = spec.microbatch_problem(cfg.stages, cfg.microbatches)
         if problem:
             raise ConfigError(problem)
+        if spec.split_backward and (cfg.activation_checkpointing or cfg.compile):
+            raise ConfigError(
+                f"{spec.name} splits each backward in two with hooks on the stage's linear "
+                "layers, which activation checkpointing's recomputation and torch.compile's "
+                "graphs do not run as the forward did; set activation_checkpointing=false and "
+                "compile=false, or use 1f1b"
+            )
         if spec.step_per_microbatch and cfg.microbatches != 1:
             raise ConfigError(
                 f"{spec.name} steps the optimizer after every microbatch, so each step is one "

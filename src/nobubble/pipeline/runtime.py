@@ -32,6 +32,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -48,9 +49,10 @@ from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
 from nobubble.pipeline.replicas import PendingReduction, ReplicaReduction, replica_rows
+from nobubble.pipeline.split_backward import SplitBackward
 from nobubble.prediction import StepWeights
 from nobubble.profiling import OFF, action_label, label, labelled
-from nobubble.schedules import Action, ActionKind, generate, lower
+from nobubble.schedules import Action, ActionKind, generate, lower, schedule_spec
 from nobubble.simulated import autocast, versions_from_tensors
 from nobubble.stage_options import apply_stage_options
 from nobubble.update import optimizer_step, prepare_step
@@ -112,6 +114,8 @@ class PipelineEngine:
         self.first, self.last = self.spec.has_embed, self.spec.has_head
         self.module = Stage(mc, self.spec, cfg.seed).to(device)
         apply_stage_options(self.module, cfg, device)
+        split = schedule_spec(ir_schedule(cfg.schedule)).split_backward
+        self.split = SplitBackward(self.module) if split else None  # zero-bubble I/W
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
         params = dict(self.module.named_parameters())
         self.store = VersionStore(params)
@@ -376,8 +380,6 @@ class _Segment:
         self.batches: dict[int, tuple[torch.Tensor, ...]] = {}
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
         self.input_grads: dict[int, torch.Tensor] = {}
-        # I ran, W to run: mb -> (what to differentiate, the gradient it gets)
-        self.output_grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
@@ -512,7 +514,8 @@ class _Segment:
             x = rows[:, :-1]
         else:
             x = self.received(ActionKind.RECV_ACT, action.microbatch).requires_grad_(True)
-        with autocast(e.device, e.cfg.dtype):
+        recording = e.split.forward(action.microbatch) if e.split else nullcontext()
+        with recording, autocast(e.device, e.cfg.dtype):
             out = functional_call(e.module, e.point.at(action.step), (x,))
         if e.last:
             out = lm_loss(out, rows[:, 1:])
@@ -535,26 +538,21 @@ class _Segment:
             self.input_grads[action.microbatch] = x.grad
 
     def input_gradient(self, action: Action) -> None:
-        """I of a split backward: the gradient the previous stage waits for, now; the graph is
-        kept for W. (The first stage has no input gradient to send: its I does nothing.)"""
+        """I of a split backward: the gradient the previous stage waits for (the first stage
+        has none) and every weight gradient but the linear layers', which W computes."""
+        e = self.e
         target, grad = self._backward_target(action)
-        self.output_grads[action.microbatch] = (target, grad)
-        if not self.e.first:
-            x = self.stash[action.microbatch][0]
-            (self.input_grads[action.microbatch],) = torch.autograd.grad(
-                target, x, grad, retain_graph=True
-            )
+        x, _ = self.stash.pop(action.microbatch)
+        weights = e.point.at(action.step)
+        gx = e.split.input_gradient(
+            action.microbatch, target, grad, None if e.first else x, weights
+        )
+        if not e.first:
+            self.input_grads[action.microbatch] = gx
 
     def weight_gradient(self, action: Action) -> None:
-        """W of a split backward: the weights' gradients, accumulated as B accumulates them.
-
-        It runs the whole backward again over the kept graph (the input gradient it also
-        computes is dropped), so the weight gradients are B's bit for bit; a W that computed
-        only the weight-gradient matmuls would be cheaper (docs/pipeline.md)."""
-        target, grad = self.output_grads.pop(action.microbatch)
-        x, _ = self.stash.pop(action.microbatch)
-        target.backward(grad)
-        x.grad = None
+        """W of a split backward: the linear layers' weight gradients."""
+        self.e.split.weight_gradient(action.microbatch)
 
     def step(self, step: int) -> None:
         """The STEP action: the gradient is complete; average it over the replicas and sum the
