@@ -114,6 +114,9 @@ def test_targets_and_table_from_paired_repeats():
         "our 1f1b vs torch Schedule1F1B": True,
         "2bw vs our 1f1b": True,  # 1.242 >= 0.95 * 1.25
         "2bw peak memory above 1f1b, per stage": False,  # 8 MB > one 6 MB copy + 1 MB slack
+        # reported, not judged: the fastest synchronous variant here is our 1f1b
+        "2bw vs the fastest synchronous schedule at any memory (1f1b)": None,
+        "2bw vs the fastest synchronous schedule at no more peak memory than 2bw (1f1b)": None,
     }
     memory = {"1f1b": [fake_run(100, (400, 380))], "2bw": [fake_run(120, (405, 386), 2)]}
     met = {t.claim: t.met for t in targets(results, memory, stages=2, microbatches=4)}
@@ -209,7 +212,7 @@ def test_the_allreduce_target_is_judged_with_m_at_least_2p_and_reported_below():
 
 def test_speed_targets_are_not_judged_on_an_oversubscribed_cpu(capsys):
     results = {"1f1b": [fake_run(100, (500, 480))], "2bw": [fake_run(90, (508, 488), 2)]}
-    (speed, _) = targets(results, None, 2, 4, unjudged="4 processes on 2 CPU cores")
+    speed, *_ = targets(results, None, 2, 4, unjudged="4 processes on 2 CPU cores")
     assert speed.met is None and "not judged: 4 processes on 2 CPU cores" in speed.required
     assert "| not judged |" in markdown([], [speed])
     crowded = oversubscribed(parse("--dp", "64"))
@@ -249,7 +252,7 @@ def test_quick_bench_reports_every_variant(tmp_path, capsys):
         pipedream = [2, 1]  # stage s keeps P - s versions
         expected = pipedream if summary["name"] == "pipedream" else [2 if two_versions else 1] * 2
         assert summary["weight_versions"] == expected
-    assert len(report["targets"]) == 4
+    assert len(report["targets"]) == 6  # + 2bw vs the fastest synchronous schedule, twice
     assert report["memory_pass"] is None  # off with --quick
 
 
@@ -360,3 +363,18 @@ def test_cuda_without_a_gpu_is_refused_before_any_run(capsys, no_launch, monkeyp
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     err = refused(capsys, "--device", "cuda", "--stages", "2", "--dp", "2")
     assert "--stages 2 x --dp 2 needs 4 GPUs, this machine has 2" in err
+
+
+def test_2bw_is_compared_with_the_fastest_synchronous_schedule_at_any_and_at_equal_memory():
+    results = {
+        "gpipe": [fake_run(120, (900, 900))],  # fastest, but more memory than 2bw
+        "1f1b": [fake_run(100, (500, 480))],
+        "zb-h1": [fake_run(110, (520, 500))],
+        "torch-1f1b": [fake_run(105, (500, 480))],
+        "2bw": [fake_run(132, (560, 520), 2)],
+    }
+    found = {t.claim: t for t in targets(results, None, 2, 4) if "synchronous" in t.claim}
+    anywhere = found["2bw vs the fastest synchronous schedule at any memory (gpipe)"]
+    assert anywhere.measured == "1.100×" and anywhere.met is None
+    equal = found["2bw vs the fastest synchronous schedule at no more peak memory than 2bw (zb-h1)"]
+    assert equal.measured == "1.200×"

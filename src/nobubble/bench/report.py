@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nobubble.bench.measure import RunResult, ring_traffic_mb
-from nobubble.bench.variants import BASELINE, VARIANTS
+from nobubble.bench.variants import BASELINE, TORCH, VARIANTS
+from nobubble.schedules import schedule_spec
 
 Results = dict[str, list[RunResult]]  # variant -> one result per run, in repeat order
 
@@ -205,6 +207,40 @@ def _speed_targets(
     return found
 
 
+def _synchronous(name: str) -> bool:
+    """A plain variant with synchronous semantics: torch's baselines, and ours that flush."""
+    variant = VARIANTS.get(name)  # --options variants (1f1b+ac, ...) are not plain ones
+    if variant is None:
+        return False
+    return variant.backend == TORCH or schedule_spec(variant.schedule).flushes
+
+
+def _sync_comparison(results: Results, memory: Results) -> list[Target]:
+    """2bw against the fastest synchronous variant measured, at any memory and at no more
+    peak memory than 2bw's (the most of any stage; reported, not judged)."""
+    if "2bw" not in results:
+        return []
+    peak = {name: max(_peak_mb(runs)) for name, runs in (memory or results).items()}
+    speed = {name: _median([run.tokens_per_s for run in runs]) for name, runs in results.items()}
+    sync = sorted((n for n in results if _synchronous(n)), key=lambda n: -speed[n])
+    found = []
+    for label, pool in (
+        ("at any memory", sync),
+        (
+            "at no more peak memory than 2bw",
+            [n for n in sync if peak.get(n, math.inf) <= peak["2bw"]],
+        ),
+    ):
+        if pool:
+            best = pool[0]
+            ratio = paired_ratio(results, "2bw", best)
+            found.append(
+                Target(f"2bw vs the fastest synchronous schedule {label} ({best})",
+                       f"{ratio:.3f}×", "reported", None)
+            )  # fmt: skip
+    return found
+
+
 def _allreduce_targets(results: Results, stages: int, microbatches: int) -> list[Target]:
     """2bw hides its all-reduce behind compute: judged with M >= 2P, reported with M < 2P."""
     found = []
@@ -260,6 +296,7 @@ def targets(
     judged."""
     return (
         _speed_targets(results, stages, microbatches, unjudged)
+        + _sync_comparison(results, memory)
         + _allreduce_targets(results, stages, microbatches)
         + _memory_targets(memory or results)
     )

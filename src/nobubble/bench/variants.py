@@ -30,6 +30,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("2bw", "2bw"),
         Variant("2bw+ef", "2bw", extra=("ef=true",)),
         Variant("pipedream", "pipedream"),
+        Variant("zb-h1", "zb-h1"),
         Variant("torch-gpipe", "gpipe", TORCH),
         Variant(BASELINE, "1f1b", TORCH),
     )
