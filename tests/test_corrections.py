@@ -237,13 +237,41 @@ def test_dc_matches_formula(settings, delay):
     assert run(cfg, 5, delay, name="embed.weight") == pytest.approx(w, rel=1e-12)
 
 
+@pytest.mark.parametrize("delay", [1, 2])
+def test_adaptive_dc_matches_formula(delay):
+    """DC-ASGD-a: ms = m·ms + (1-m)·g⊙g first, then g̃ = g + λ/√(ms + 1e-7)·g⊙g⊙(w[t] - w[t-D])."""
+    lam, m = 0.3, 0.9
+    delta, w, history = base_deltas(ADAMW), list(W0), [list(W0)]
+    mean_square = [0.0] * len(W0)
+    for t in range(5):
+        stale = history[max(t - delay, 0)]
+        g = grad(stale)
+        mean_square = [m * ms + (1 - m) * gi * gi for ms, gi in zip(mean_square, g, strict=True)]
+        g = [
+            gi + lam / math.sqrt(ms + 1e-7) * gi * gi * (wi - si)
+            for gi, ms, wi, si in zip(g, mean_square, w, stale, strict=True)
+        ]
+        w = [wi - di for wi, di in zip(w, delta(w, g), strict=True)]
+        history.append(w)
+    cfg = TrainConfig(**ADAMW, correction="dc", dc_lambda=lam, dc_mean_square_decay=m)
+    cfg.schedule, cfg.stages, cfg.n_layers = ("2bw", 1, None) if delay == 1 else ("pipedream", 3, 3)
+    assert run(cfg, 5, delay, name="embed.weight") == pytest.approx(w, rel=1e-12)
+    constant = TrainConfig(**ADAMW, correction="dc", dc_lambda=lam)
+    constant.schedule, constant.stages, constant.n_layers = cfg.schedule, cfg.stages, cfg.n_layers
+    assert run(constant, 5, delay, name="embed.weight") != pytest.approx(w, rel=1e-6)
+
+
 # -- state, refusals -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "extra",
-    [{"correction": "nesterov"}, {"correction": "dc", "dc_lambda": 0.5}],
-    ids=["nesterov", "dc"],
+    [
+        {"correction": "nesterov"},
+        {"correction": "dc", "dc_lambda": 0.5},
+        {"correction": "dc", "dc_lambda": 0.5, "dc_mean_square_decay": 0.9},
+    ],
+    ids=["nesterov", "dc", "dc-adaptive"],
 )
 def test_correction_state_round_trips_by_name(extra):
     cfg = TrainConfig(**ADAMW, **extra, schedule="2bw")

@@ -26,6 +26,9 @@ CASES = [
     # the other delay corrections (docs/corrections.md); dc's λ large enough to move float32
     (2, "2bw", 2, ["optim=adamw", "correction=nesterov"]),
     (2, "2bw", 2, ["optim=adamw", "correction=dc", "dc_lambda=1000"]),
+    pytest.param(  # the adaptive variant: the same wrapper, one more buffer slot
+        2, "2bw", 2, ["optim=adamw", "correction=dc", "dc_mean_square_decay=0.9"], marks=EXTENDED
+    ),
     (3, "pipedream", 1, ["optim=adamw", "correction=spike"]),
     # weight prediction (docs/corrections.md): 2bw, and pipedream's per-stage delays
     (2, "2bw", 2, ["optim=adamw", "correction=predict"]),

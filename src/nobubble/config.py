@@ -162,6 +162,12 @@ class TrainConfig:
         0.9, "correction=nesterov: look-ahead momentum γ (gradient step scaled by 1 - γ)", DECAY
     )
     dc_lambda: float = _opt(0.04, "correction=dc: λ of g + λ·g⊙g⊙(w_now - w_stale)", NON_NEGATIVE)
+    dc_mean_square_decay: float = _opt(
+        0.0,
+        "correction=dc: 0 keeps λ constant (DC-ASGD-c); m > 0 divides it by √(ms + 1e-7), ms "
+        "the gradient's running mean square with decay m (DC-ASGD-a)",
+        DECAY,
+    )
 
     # --- schedule ---
     schedule: str = _opt("sync", " | ".join(SCHEDULES))

@@ -174,13 +174,17 @@ register(
     Correction(
         name="dc",
         acts_on="gradient",
-        rule="g̃ = g + λ·g⊙g⊙(w[t] - w[t-D]), λ = dc_lambda",
-        memory="D buffers (the last D applied changes) + a transient snapshot during the step",
+        rule="g̃ = g + λ·g⊙g⊙(w[t] - w[t-D]), λ = dc_lambda; with dc_mean_square_decay m > 0, "
+        "λ/√(ms + ε), ms = m·ms + (1-m)·g⊙g",
+        memory="D buffers (the last D applied changes), one more for the adaptive variant's "
+        "mean square, + a transient snapshot during the step",
         needs="nothing but step() (any optimizer)",
         schedules="2bw, pipedream; nothing to do at delay 0",
         source="Zheng et al., ICML 2017, arXiv 1609.08326",
         refuses=_dc_refuses,
-        wrap=lambda opt, cfg, delays: DelayCompensation(opt, cfg.dc_lambda, delays()),
+        wrap=lambda opt, cfg, delays: DelayCompensation(
+            opt, cfg.dc_lambda, delays(), cfg.dc_mean_square_decay
+        ),
     )
 )
 

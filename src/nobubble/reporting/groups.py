@@ -21,7 +21,14 @@ from nobubble.config import SCHEDULES, SYNC_SCHEDULES, TrainConfig, chosen_corre
 from nobubble.reporting.runs import Run
 
 # The keys that choose a delay correction or set one's strength (dropped to find the plain run).
-CORRECTION_KEYS = ("correction", "ef", "ef_gamma", "nesterov_gamma", "dc_lambda")
+CORRECTION_KEYS = (
+    "correction",
+    "ef",
+    "ef_gamma",
+    "nesterov_gamma",
+    "dc_lambda",
+    "dc_mean_square_decay",
+)
 PIPELINE_KEYS = (
     "schedule",
     *CORRECTION_KEYS,
