@@ -63,12 +63,13 @@ class ScheduleSpec:
     flushes: bool  # synchronous: every step's gradients are computed at the weights it updates
     # 2bw: every forward of step t uses version t-1, even once version t exists (double buffer);
     # otherwise a forward uses the newest version the stage holds
-    forwards_use_previous_step: bool
+    forwards_use_previous_step: bool = False
     # every microbatch is its own optimizer step (pipedream): a training run's step is then one
     # microbatch, and a generated schedule of M microbatches per "step" runs M optimizer steps
-    step_per_microbatch: bool
-    delay_rule: Callable[[int, int], int]  # (stage, stages) -> gradient delay in steps
-    microbatch_rule: Callable[[int, int], str | None]  # (stages, M) -> why it cannot run, or None
+    step_per_microbatch: bool = False
+    delay_rule: Callable[[int, int], int] = _no_delay  # (stage, stages) -> delay in steps
+    # (stages, M) -> why it cannot run, or None
+    microbatch_rule: Callable[[int, int], str | None] = _any_microbatches
     default_chunks: int = 1  # stages per rank; above 1, the schedule takes any number >= 2
     split_backward: bool = False  # backwards are I + W (zero-bubble), not B
     trainable: bool = True  # both training backends run it (else: `nobubble schedule` only)
@@ -111,20 +112,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "all forwards, then all backwards, flush before each step",
             order="gpipe",
             flushes=True,
-            forwards_use_previous_step=False,
-            step_per_microbatch=False,
-            delay_rule=_no_delay,
-            microbatch_rule=_any_microbatches,
         ),
         ScheduleSpec(
             "1f1b",
             "one forward, one backward after a warm-up of P-1-s forwards; flush before each step",
             order="1f1b",
             flushes=True,
-            forwards_use_previous_step=False,
-            step_per_microbatch=False,
-            delay_rule=_no_delay,
-            microbatch_rule=_any_microbatches,
         ),
         ScheduleSpec(
             "2bw",
@@ -132,7 +125,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             order="1f1b",
             flushes=False,
             forwards_use_previous_step=True,
-            step_per_microbatch=False,
             delay_rule=_one_step,
             microbatch_rule=_at_least_stages,
         ),
@@ -141,10 +133,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "1F1B without a flush, an optimizer step after every microbatch, weight stashing",
             order="1f1b",
             flushes=False,
-            forwards_use_previous_step=False,
             step_per_microbatch=True,
             delay_rule=_downstream_stages,
-            microbatch_rule=_any_microbatches,
         ),
         ScheduleSpec(
             "interleaved-1f1b",
@@ -152,9 +142,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "grow by v; flush before each step",
             order="interleaved",
             flushes=True,
-            forwards_use_previous_step=False,
-            step_per_microbatch=False,
-            delay_rule=_no_delay,
             microbatch_rule=_multiple_of_stages,
             default_chunks=2,
             trainable=False,
@@ -165,10 +152,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "filling the cool-down (zero-bubble H1); flush before each step",
             order="zb-h1",
             flushes=True,
-            forwards_use_previous_step=False,
-            step_per_microbatch=False,
-            delay_rule=_no_delay,
-            microbatch_rule=_any_microbatches,
             split_backward=True,
         ),
     )
