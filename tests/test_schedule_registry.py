@@ -33,6 +33,9 @@ def test_generated_schedules_keep_the_registered_promises(name, stages):
     # the budget is tight: the schedule really holds that many versions at every stage
     budgets = [spec.version_budget(s, model_stages) for s in range(model_stages)]
     assert result.stage_weight_versions == budgets
+    chunks = spec.default_chunks
+    held = [spec.activation_budget(r, stages, microbatches, chunks) for r in range(stages)]
+    assert result.peak_activations == held
 
 
 def test_flushing_schedules_have_no_delay_and_delayed_ones_do():

@@ -118,6 +118,13 @@ def test_a_weight_gradient_before_its_input_gradient_is_caught():
     assert any("never runs W" in p for p in check_invariants(missing, "zb-h1"))
 
 
+def test_holding_more_activations_than_the_schedule_allows_is_caught():
+    gpipe = generate("gpipe", 2, 4, 1)  # 4 forwards in flight on rank 0; 1f1b allows 2
+    problems = check_invariants(gpipe, "1f1b")
+    assert "rank 0 holds 4 microbatches' activations; 1f1b allows 2" in problems
+    assert check_invariants(gpipe, "gpipe") == []
+
+
 def test_split_rank_times_share_a_rank_equally_between_its_stages():
     actions = generate("interleaved-1f1b", 2, 2, 1, chunks=2)
     assert split_rank_times([1.0, 3.0], actions) == [0.5, 1.5, 0.5, 1.5]

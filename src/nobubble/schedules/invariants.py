@@ -8,7 +8,8 @@
   the flushing schedules, d = 1 for 2bw (w[t+1] = w[t] - Δ(g(w[t-1])), w[-1] = w[0]) and
   d = P-1-s at stage s for pipedream. The max() is the start of the run, where the older version
   does not exist.
-* A stage holds at most d + 1 weight versions (its weight stash).
+* A stage holds at most d + 1 weight versions (its weight stash), and a rank at most the
+  activations its schedule's registry spec allows (activation_budget).
 """
 
 from __future__ import annotations
@@ -90,6 +91,16 @@ def check_invariants(
         except ScheduleError as exc:  # deadlock or malformed
             return [*problems, str(exc)]
     problems += result.violations
+    ranks = len(actions)
+    per_step = sum(
+        a.kind is ActionKind.F and a.stage == 0 and a.step == 0 for rank in actions for a in rank
+    )
+    for r, held in enumerate(result.peak_activations):
+        budget = spec.activation_budget(r, ranks, per_step, stages // ranks)
+        if held > budget:
+            problems.append(
+                f"rank {r} holds {held} microbatches' activations; {schedule} allows {budget}"
+            )
     for s, held in enumerate(result.stage_weight_versions):
         budget = spec.version_budget(s, stages)
         if held > budget:

@@ -29,6 +29,23 @@ def _downstream_stages(stage: int, stages: int) -> int:
     return stages - 1 - stage
 
 
+def _one_f_one_b_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
+    return ranks - rank  # P-1-r warm-up forwards and the one whose backward comes next
+
+
+def _all_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
+    return microbatches  # every forward of the step before the first backward
+
+
+def _zero_bubble_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
+    return ranks  # 1F1B's P-r, and up to r forwards whose W waits
+
+
+def _interleaved_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
+    warmup = 2 * (ranks - 1 - rank) + (chunks - 1) * ranks  # counted per stage (1/v of a rank)
+    return min(warmup + 1, microbatches * chunks)
+
+
 def _any_microbatches(stages: int, microbatches: int) -> str | None:
     return None
 
@@ -70,6 +87,9 @@ class ScheduleSpec:
     delay_rule: Callable[[int, int], int] = _no_delay  # (stage, stages) -> delay in steps
     # (stages, M) -> why it cannot run, or None
     microbatch_rule: Callable[[int, int], str | None] = _any_microbatches
+    # (rank, ranks, M, chunks) -> the most forwards a rank holds activations of (until their B,
+    # or W), counted per stage
+    activation_rule: Callable[[int, int, int, int], int] = _one_f_one_b_activations
     default_chunks: int = 1  # stages per rank; above 1, the schedule takes any number >= 2
     split_backward: bool = False  # backwards are I + W (zero-bubble), not B
     trainable: bool = True  # both training backends run it (else: `nobubble schedule` only)
@@ -85,6 +105,10 @@ class ScheduleSpec:
         """The most weight versions the schedule may hold at a stage: the one it updates and
         every older one a gradient still to be applied was (or will be) computed at."""
         return self.delay(stage, stages) + 1
+
+    def activation_budget(self, rank: int, ranks: int, microbatches: int, chunks: int = 1) -> int:
+        """The most microbatches' activations the schedule may hold on a rank at once."""
+        return self.activation_rule(rank, ranks, microbatches, chunks)
 
     def microbatch_problem(self, stages: int, microbatches: int) -> str | None:
         """Why ``microbatches`` per step cannot run on ``stages`` stages, or None."""
@@ -112,6 +136,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "all forwards, then all backwards, flush before each step",
             order="gpipe",
             flushes=True,
+            activation_rule=_all_activations,
         ),
         ScheduleSpec(
             "1f1b",
@@ -143,6 +168,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             order="interleaved",
             flushes=True,
             microbatch_rule=_multiple_of_stages,
+            activation_rule=_interleaved_activations,
             default_chunks=2,
             trainable=False,
         ),
@@ -152,6 +178,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "filling the cool-down (zero-bubble H1); flush before each step",
             order="zb-h1",
             flushes=True,
+            activation_rule=_zero_bubble_activations,
             split_backward=True,
         ),
     )
