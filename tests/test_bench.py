@@ -37,7 +37,7 @@ from nobubble.bench.report import (
 )
 from nobubble.bench.torch_worker import P2PWaitClock, torch_schedules
 from nobubble.bench.variants import VARIANTS, Shape, command
-from nobubble.config import ConfigError, TrainConfig
+from nobubble.config import ConfigError, TrainConfig, build_config
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -378,3 +378,16 @@ def test_2bw_is_compared_with_the_fastest_synchronous_schedule_at_any_and_at_equ
     assert anywhere.measured == "1.100×" and anywhere.met is None
     equal = found["2bw vs the fastest synchronous schedule at no more peak memory than 2bw (zb-h1)"]
     assert equal.measured == "1.200×"
+
+
+def test_torch_interleaved_baselines_are_simulated_as_our_interleaved_order():
+    """torch-interleaved-1f1b runs 2 stages per rank: its predicted bubble is our
+    interleaved-1f1b's, (P-1)·3/v over a step of 3M + (P-1)·3/v (rank costs 3, v = 2)."""
+    cfg = build_config({"schedule": "1f1b", "stages": 2, "microbatches": 4, "steps": 1})
+    bubble = simulated_bubble(cfg, [3.0, 3.0], "interleaved-1f1b", 2)
+    assert bubble == pytest.approx([1.5 / 13.5] * 2)
+    assert simulated_bubble(cfg, [3.0, 3.0]) == pytest.approx([3 / 15] * 2)  # 1f1b: (P-1)·3
+    assert VARIANTS["torch-interleaved-zb"].worker == "interleaved-zb"
+    assert "--schedule interleaved-zb" in " ".join(
+        command(VARIANTS["torch-interleaved-zb"], 2, Path("/tmp/x"), [])
+    )

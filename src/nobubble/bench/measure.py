@@ -21,6 +21,7 @@ from typing import Any
 
 from nobubble.config import TrainConfig, build_config
 from nobubble.schedules import generate, lower, simulate
+from nobubble.schedules.simulator import split_rank_times
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class RunResult:
     tokens_per_s_all: float  # over every step (the run's summary)
     final_loss: float
     stages: list[StageResult]
-    bubble_uniform: list[float]  # simulator, forward 1 and backward 2 on every stage
+    bubble_uniform: list[float] | None  # simulator, forward 1 and backward 2 on every stage
     bubble_timed: list[float] | None  # simulator, each stage's measured busy time (F:B = 1:2)
     dp: int = 1
     steps: int = 0  # optimizer steps of the run (M times the others' for pipedream)
@@ -78,13 +79,19 @@ def steady_tokens_per_s(rows: Sequence[dict], skip_tokens: int) -> float:
     return (tokens1 - tokens0) / (t1 - t0)
 
 
-def simulated_bubble(cfg: TrainConfig, stage_costs: Sequence[float]) -> list[float]:
-    """Per-stage bubble of ``cfg``'s schedule in the simulator, a microbatch (F+B) costing
-    ``stage_costs[s]`` at stage s, split forward:backward = 1:2, no communication time."""
-    actions = lower(generate(cfg.schedule, cfg.stages, cfg.microbatches, cfg.steps))
-    forward = [cost / 3 for cost in stage_costs]
-    backward = [2 * cost / 3 for cost in stage_costs]
-    return simulate(actions, forward, backward).bubble_fraction
+def simulated_bubble(
+    cfg: TrainConfig, stage_costs: Sequence[float], schedule: str | None = None, chunks: int = 1
+) -> list[float]:
+    """Per-rank bubble of ``schedule`` (default: ``cfg``'s) in the simulator, a microbatch (F+B)
+    costing ``stage_costs[r]`` on rank r (split equally over its ``chunks`` stages), forward:
+    backward = 1:2, no communication time."""
+    name = schedule or cfg.schedule
+    actions = generate(
+        name, cfg.stages, cfg.microbatches, cfg.steps, chunks if chunks > 1 else None
+    )
+    forward = split_rank_times([cost / 3 for cost in stage_costs], actions)
+    backward = split_rank_times([2 * cost / 3 for cost in stage_costs], actions)
+    return simulate(lower(actions), forward, backward).bubble_fraction
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -151,16 +158,22 @@ def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
     stages = stage_results(summary["stages"], cfg.steps)
     micro_total = cfg.steps * cfg.microbatches
     busy = [s.busy_s for s in stages]
-    timed = None
-    if all(b is not None for b in busy):
-        timed = simulated_bubble(cfg, [b / micro_total for b in busy])
+    # what to simulate it as: the run's schedule, or what a torch baseline names (None: nothing
+    # of ours runs its order)
+    simulated = summary.get("simulated_as", {"schedule": cfg.schedule, "chunks": 1})
+    timed = uniform = None
+    if simulated is not None:
+        name, chunks = simulated["schedule"], simulated["chunks"]
+        uniform = simulated_bubble(cfg, [3.0] * cfg.stages, name, chunks)
+        if all(b is not None for b in busy):
+            timed = simulated_bubble(cfg, [b / micro_total for b in busy], name, chunks)
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
     return RunResult(
         tokens_per_s=steady_tokens_per_s(rows, skip_tokens),
         tokens_per_s_all=summary["tokens_per_s"],
         final_loss=losses[-1],
         stages=stages,
-        bubble_uniform=simulated_bubble(cfg, [3.0] * cfg.stages),
+        bubble_uniform=uniform,
         bubble_timed=timed,
         dp=cfg.dp,
         steps=cfg.steps,

@@ -30,7 +30,7 @@ class VariantSummary:
     final_loss: float
     idle: list[float | None]
     bubble_timed: list[float] | None
-    bubble_uniform: list[float]
+    bubble_uniform: list[float] | None
     peak_mem_mb: list[float]  # of the timed runs
     tensor_mem_mb: list[float] | None  # of the memory pass (CPU only)
     param_mb: list[float]

@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from nobubble.config import ConfigError, TrainConfig, build_config, parse_overrides
@@ -55,7 +61,17 @@ from nobubble.simulated import autocast
 from nobubble.train import configure_torch
 from nobubble.update import clip_stage, optimizer_step
 
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+TORCH_SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+}
+CHUNKS = 2  # stages per rank of torch's interleaved schedules: stage c·P + r on rank r
+# What the benchmark's simulator runs for each: our order of the same schedule, or nothing (None:
+# torch's interleaved zero-bubble order is its own); absent: the config's schedule
+SIMULATED_AS = {"interleaved-1f1b": {"schedule": "interleaved-1f1b", "chunks": CHUNKS},
+                "interleaved-zb": None}  # fmt: skip
 
 
 class P2PWaitClock:
@@ -109,17 +125,31 @@ class TorchStageRunner:
                 "pipeline stages would train two copies that are never summed); benchmark the "
                 "torch variants with tie_embeddings=false, or leave them out"
             )
-        specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
-        self.module = Stage(mc, specs[layout.stage], cfg.seed).to(device)
-        self.optimizer = build_optimizer(list(self.module.named_parameters()), cfg)
+        chunks = CHUNKS if schedule.startswith("interleaved") else 1
+        if chunks > 1 and layout.dp > 1:
+            raise ConfigError(
+                f"the torch baseline {schedule} runs without data parallelism here; leave it out "
+                "of --schedules with --dp"
+            )
+        stages = cfg.stages * chunks
+        layers = cfg.stage_layers if chunks == 1 else None  # stage_layers lists P stages
+        specs = partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, layers)
+        indices = [c * cfg.stages + layout.stage for c in range(chunks)]  # this rank's stages
+        self.modules = [Stage(mc, specs[i], cfg.seed).to(device) for i in indices]
+        self.module = torch.nn.ModuleList(self.modules)  # for the parameter counts below
+        named = [(n, p) for m in self.modules for n, p in m.named_parameters()]
+        self.optimizer = build_optimizer(named, cfg)
         pipeline, self.reduction = None, None  # dp = 1: the default group, rank = stage
         if layout.dp > 1:
             mesh = device_mesh(layout, device.type)  # not kept: it holds the default group
             pipeline = mesh.get_group("pp")
             self.reduction = ReplicaReduction(mesh.get_group("dp"), layout.dp)
-        stage = PipelineStage(self.module, layout.stage, layout.pp, device, group=pipeline)
+        pipe = [
+            PipelineStage(m, i, stages, device, group=pipeline)
+            for m, i in zip(self.modules, indices, strict=True)
+        ]
         self.schedule = TORCH_SCHEDULES[schedule](
-            stage, cfg.microbatches, loss_fn=lm_loss, scale_grads=True
+            pipe if chunks > 1 else pipe[0], cfg.microbatches, loss_fn=lm_loss, scale_grads=True
         )
 
     def replica_share(self, batch: torch.Tensor) -> torch.Tensor:
@@ -149,7 +179,8 @@ class TorchStageRunner:
             params = list(self.module.parameters())
             total = self.reduction.finish(self.reduction.start(step, params, loss), params)
             loss_sum = loss_sum if total is None else total.item()
-        clip_stage(self.module.parameters(), self.cfg.grad_clip)
+        for module in self.modules:  # per stage, as ours
+            clip_stage(module.parameters(), self.cfg.grad_clip)
         optimizer_step(self.optimizer, step, self.cfg)
         return loss_sum / self.cfg.microbatches
 
@@ -171,7 +202,7 @@ class TorchStageRunner:
         report = {
             "stage": self.stage,
             "replica": self.layout.replica,
-            "blocks": len(self.module.blocks),
+            "blocks": sum(len(m.blocks) for m in self.modules),
             "train_wall_s": wall,
             "idle_s": idle,
             "idle_fraction": None if idle is None else idle / wall,
@@ -184,7 +215,9 @@ class TorchStageRunner:
         return {"losses": losses, "step_ends": step_ends, "stage": report}
 
 
-def write_run(cfg: TrainConfig, run: RunFolder, reports: list[dict[str, Any]]) -> None:
+def write_run(
+    cfg: TrainConfig, run: RunFolder, reports: list[dict[str, Any]], schedule: str
+) -> None:
     """Stage 0's step times and the last stage's losses, in our run-folder format."""
     step_ends, losses = reports[0]["step_ends"], reports[-1]["losses"]
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -201,6 +234,7 @@ def write_run(cfg: TrainConfig, run: RunFolder, reports: list[dict[str, Any]]) -
             "peak_mem_mb": reports[0]["stage"]["peak_mem_mb"],
             "stages": [report["stage"] for report in reports],
         }
+        | ({"simulated_as": SIMULATED_AS[schedule]} if schedule in SIMULATED_AS else {})
     )
 
 
@@ -225,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             layout, TorchStageRunner(cfg, args.schedule, run_dir, device, layout).train()
         )
         if run is not None:
-            write_run(cfg, run, reports)
+            write_run(cfg, run, reports, args.schedule)
     finally:
         close_process_group()
     return exit_code(0)

@@ -20,6 +20,7 @@ class Variant:
     backend: str = NOBUBBLE
     extra: tuple[str, ...] = ()  # key=value settings of this variant only
     plain: str | None = None  # with --options: the variant it adds options to
+    worker: str | None = None  # a torch variant: the torch schedule, if not ``schedule``
 
 
 VARIANTS: dict[str, Variant] = {
@@ -33,6 +34,10 @@ VARIANTS: dict[str, Variant] = {
         Variant("zb-h1", "zb-h1"),
         Variant("torch-gpipe", "gpipe", TORCH),
         Variant(BASELINE, "1f1b", TORCH),
+        # several stages per rank (torch's ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble);
+        # synchronous, so their config says 1f1b
+        Variant("torch-interleaved-1f1b", "1f1b", TORCH, worker="interleaved-1f1b"),
+        Variant("torch-interleaved-zb", "1f1b", TORCH, worker="interleaved-zb"),
     )
 }
 
@@ -129,7 +134,7 @@ def command(variant: Variant, processes: int, out: Path, settings: list[str]) ->
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     launcher += [f"--nproc-per-node={processes}", "-m"]
     if variant.backend == TORCH:
-        program = ["nobubble.bench.torch_worker", "--schedule", variant.schedule]
+        program = ["nobubble.bench.torch_worker", "--schedule", variant.worker or variant.schedule]
     else:
         program = ["nobubble", "train", "--no-progress", "--overwrite"]
     return [*launcher, *program, "--out", str(out), *settings]
