@@ -22,12 +22,14 @@ from nobubble.bench.load import ForeignLoad
 from nobubble.bench.measure import (
     RunResult,
     StageResult,
+    predicted_tokens_per_s,
     ring_traffic_mb,
     simulated_bubble,
     stage_results,
     steady_tokens_per_s,
 )
 from nobubble.bench.report import (
+    cost_model_markdown,
     dp_markdown,
     markdown,
     memory_extra,
@@ -390,4 +392,20 @@ def test_torch_interleaved_baselines_are_simulated_as_our_interleaved_order():
     assert VARIANTS["torch-interleaved-zb"].worker == "interleaved-zb"
     assert "--schedule interleaved-zb" in " ".join(
         command(VARIANTS["torch-interleaved-zb"], 2, Path("/tmp/x"), [])
+    )
+
+
+def test_the_cost_model_predicts_steady_throughput_from_measured_stage_times():
+    """Stage costs of 3 s per microbatch: 1f1b's step is 3(M+P-1) s, 2bw's steady step 3M s."""
+    settings = {"stages": 2, "microbatches": 4, "steps": 3, "batch_size": 8, "seq_len": 64}
+    tokens = 8 * 64
+    sync = build_config({**settings, "schedule": "1f1b"})
+    assert predicted_tokens_per_s(sync, [3.0, 3.0]) == pytest.approx(tokens / 15)
+    delayed = build_config({**settings, "schedule": "2bw"})
+    assert predicted_tokens_per_s(delayed, [3.0, 3.0]) == pytest.approx(tokens / 12)
+    runs = {"1f1b": [dataclasses.replace(fake_run(100, (1, 1)), predicted_tokens_per_s=104.0)]}
+    table = cost_model_markdown([summarize("1f1b", runs, None)])
+    assert "| 1f1b | 100 | 104 | +4.0% |" in table
+    assert "| 1f1b | 100 | n/a | n/a |" in cost_model_markdown(
+        [summarize("1f1b", {"1f1b": [fake_run(100, (1, 1))]}, None)]
     )

@@ -21,7 +21,7 @@ from typing import Any
 
 from nobubble.config import TrainConfig, build_config
 from nobubble.schedules import generate, lower, simulate
-from nobubble.schedules.simulator import split_rank_times
+from nobubble.schedules.simulator import SimResult, split_rank_times
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class RunResult:
     stages: list[StageResult]
     bubble_uniform: list[float] | None  # simulator, forward 1 and backward 2 on every stage
     bubble_timed: list[float] | None  # simulator, each stage's measured busy time (F:B = 1:2)
+    predicted_tokens_per_s: float | None = None  # the cost model, from those stage times
     dp: int = 1
     steps: int = 0  # optimizer steps of the run (M times the others' for pipedream)
     ranks: list[dict[str, Any]] = field(default_factory=list)  # summary.json's entries, as is
@@ -79,19 +80,37 @@ def steady_tokens_per_s(rows: Sequence[dict], skip_tokens: int) -> float:
     return (tokens1 - tokens0) / (t1 - t0)
 
 
+def _simulated(
+    cfg: TrainConfig, stage_costs: Sequence[float], schedule: str | None, chunks: int, steps: int
+) -> SimResult:
+    """``steps`` steps of ``schedule`` (default: ``cfg``'s) in the simulator, a microbatch
+    (F+B) costing ``stage_costs[r]`` on rank r (split equally over its ``chunks`` stages),
+    forward:backward = 1:2, no communication time."""
+    name = schedule or cfg.schedule
+    actions = generate(name, cfg.stages, cfg.microbatches, steps, chunks if chunks > 1 else None)
+    forward = split_rank_times([cost / 3 for cost in stage_costs], actions)
+    backward = split_rank_times([2 * cost / 3 for cost in stage_costs], actions)
+    return simulate(lower(actions), forward, backward)
+
+
 def simulated_bubble(
     cfg: TrainConfig, stage_costs: Sequence[float], schedule: str | None = None, chunks: int = 1
 ) -> list[float]:
-    """Per-rank bubble of ``schedule`` (default: ``cfg``'s) in the simulator, a microbatch (F+B)
-    costing ``stage_costs[r]`` on rank r (split equally over its ``chunks`` stages), forward:
-    backward = 1:2, no communication time."""
-    name = schedule or cfg.schedule
-    actions = generate(
-        name, cfg.stages, cfg.microbatches, cfg.steps, chunks if chunks > 1 else None
-    )
-    forward = split_rank_times([cost / 3 for cost in stage_costs], actions)
-    backward = split_rank_times([2 * cost / 3 for cost in stage_costs], actions)
-    return simulate(lower(actions), forward, backward).bubble_fraction
+    """Per-rank bubble of the run's steps in the simulator (see :func:`_simulated`)."""
+    return _simulated(cfg, stage_costs, schedule, chunks, cfg.steps).bubble_fraction
+
+
+def predicted_tokens_per_s(
+    cfg: TrainConfig, stage_costs: Sequence[float], schedule: str | None = None, chunks: int = 1
+) -> float:
+    """The cost model's steady throughput from measured per-microbatch stage costs (seconds):
+    the simulated time of the run's last step (the makespan of all its steps minus that of one
+    step fewer), as the measured throughput leaves the first steps out."""
+    last = _simulated(cfg, stage_costs, schedule, chunks, cfg.steps).makespan
+    before = 0.0
+    if cfg.steps > 1:
+        before = _simulated(cfg, stage_costs, schedule, chunks, cfg.steps - 1).makespan
+    return cfg.batch_size * cfg.seq_len / (last - before)
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -161,12 +180,14 @@ def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
     # what to simulate it as: the run's schedule, or what a torch baseline names (None: nothing
     # of ours runs its order)
     simulated = summary.get("simulated_as", {"schedule": cfg.schedule, "chunks": 1})
-    timed = uniform = None
+    timed = uniform = predicted = None
     if simulated is not None:
         name, chunks = simulated["schedule"], simulated["chunks"]
         uniform = simulated_bubble(cfg, [3.0] * cfg.stages, name, chunks)
         if all(b is not None for b in busy):
-            timed = simulated_bubble(cfg, [b / micro_total for b in busy], name, chunks)
+            costs = [b / micro_total for b in busy]
+            timed = simulated_bubble(cfg, costs, name, chunks)
+            predicted = predicted_tokens_per_s(cfg, costs, name, chunks)
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
     return RunResult(
         tokens_per_s=steady_tokens_per_s(rows, skip_tokens),
@@ -174,6 +195,7 @@ def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
         final_loss=losses[-1],
         stages=stages,
         bubble_uniform=uniform,
+        predicted_tokens_per_s=predicted,
         bubble_timed=timed,
         dp=cfg.dp,
         steps=cfg.steps,

@@ -31,6 +31,7 @@ class VariantSummary:
     idle: list[float | None]
     bubble_timed: list[float] | None
     bubble_uniform: list[float] | None
+    predicted_tokens_per_s: float | None  # the cost model from measured stage times (median)
     peak_mem_mb: list[float]  # of the timed runs
     tensor_mem_mb: list[float] | None  # of the memory pass (CPU only)
     param_mb: list[float]
@@ -109,6 +110,7 @@ def summarize(name: str, results: Results, memory: Results | None) -> VariantSum
         idle=_per_stage(runs, lambda run, s: run.stages[s].idle_fraction),
         bubble_timed=timed,
         bubble_uniform=runs[0].bubble_uniform,
+        predicted_tokens_per_s=_median([run.predicted_tokens_per_s for run in runs]),
         peak_mem_mb=_peak_mb(runs),
         tensor_mem_mb=_peak_mb(memory[name]) if memory else None,
         param_mb=_per_stage(runs, lambda run, s: run.stages[s].param_mb),
@@ -368,9 +370,29 @@ def markdown(summaries: list[VariantSummary], found: list[Target]) -> str:
         )
     param = " / ".join(f"{p:.2f}" for p in summaries[0].param_mb) if summaries else "n/a"
     lines += ["", f"One weight copy per stage: {param} MB.", ""]
+    lines += [cost_model_markdown(summaries), ""]
     if found:
         lines += ["| target | measured | required | met |", "|---|---|---|---|"]
         lines += [f"| {t.claim} | {t.measured} | {t.required} | {_met(t.met)} |" for t in found]
+    return "\n".join(lines)
+
+
+def cost_model_markdown(summaries: list[VariantSummary]) -> str:
+    """The cost model's throughput from each variant's measured stage times against the
+    measured throughput (issue 14 asks for errors within 5%)."""
+    lines = [
+        "| variant | tokens/s measured | tokens/s predicted (cost model, measured stage times) "
+        "| error |",
+        "|---|---:|---:|---:|",
+    ]
+    for s in summaries:
+        if s.predicted_tokens_per_s is None:
+            lines.append(f"| {s.name} | {s.tokens_per_s:,.0f} | n/a | n/a |")
+            continue
+        error = s.predicted_tokens_per_s / s.tokens_per_s - 1
+        lines.append(
+            f"| {s.name} | {s.tokens_per_s:,.0f} | {s.predicted_tokens_per_s:,.0f} | {error:+.1%} |"
+        )
     return "\n".join(lines)
 
 
