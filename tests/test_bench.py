@@ -270,10 +270,14 @@ def test_memory_pass_reports_tensor_memory(tmp_path, capsys):
     for summary in report["summary"]:
         assert all(mb > 0 for mb in summary["tensor_mem_mb"])
     claims = [t["claim"] for t in report["targets"]]
+    # Whether 1f1b fits under 2bw's peak is measured (messages received early are buffered, so
+    # the peaks move with timing): the equal-memory target is there exactly when it does.
+    peak = {s["name"]: max(s["tensor_mem_mb"]) for s in report["summary"]}
+    equal_memory = ["2bw vs the fastest synchronous schedule at no more peak memory than 2bw (1f1b)"]
     assert claims == [
         "2bw vs our 1f1b",
         "2bw vs the fastest synchronous schedule at any memory (1f1b)",
-        "2bw vs the fastest synchronous schedule at no more peak memory than 2bw (1f1b)",
+        *(equal_memory if peak["1f1b"] <= peak["2bw"] else []),
         "2bw peak memory above 1f1b, per stage",
     ]
 
