@@ -281,6 +281,19 @@ def test_a_checkpoint_continues_exactly_in_the_other_launcher(tmp_path, extra):
 
 
 @pytest.mark.slow
+def test_an_interleaved_pipeline_checkpoint_continues_exactly_in_one_process(tmp_path):
+    """Two processes holding model stages 0, 2 and 1, 3: one shard each, by name, which the
+    single-process engine (the same 4-stage semantics) continues as if never cut."""
+    common = [*CONSTANT, "schedule=interleaved-1f1b", "microbatches=2", "stages=2", "optim=adamw"]
+    assert train(tmp_path / "full", *common, "steps=6") == 0
+    nobubble(tmp_path / "cut", *common, "steps=3", stages=2)
+    step3 = tmp_path / "cut" / "checkpoints" / "step_000003"
+    assert json.loads((step3 / "manifest.json").read_text())["shards"] == 2
+    assert resume(tmp_path / "cut", "steps=6") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "optim",
     [["optim=adamw", "ef=true"], pytest.param(["optim=muon"], marks=EXTENDED)],

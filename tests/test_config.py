@@ -55,7 +55,7 @@ def test_toml_file_with_sections(tmp_path):
         ({"batch_size": 10, "microbatches": 4}, "not divisible"),
         ({"schedule": "2bw", "stages": 4, "microbatches": 2, "batch_size": 8}, "M >= P|>= stages"),
         ({"schedule": "pipedream", "stages": 2, "microbatches": 2}, "microbatches=1"),
-        ({"stages": 2, "stage_layers": [4]}, "one block count per stage"),
+        ({"stages": 2, "stage_layers": [4]}, "one block count per model stage"),
         ({"val_fraction": 1.5}, "val_fraction"),
         ({"beta1": 1.5}, "beta1 must be in"),
     ],

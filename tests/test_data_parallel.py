@@ -71,6 +71,8 @@ CASES = [
     (2, "2bw", 2, ["optim=muon"]),
     pytest.param(2, "2bw", 2, ["optim=muon", "ef=true"], marks=EXTENDED),
     (2, "pipedream", 1, ["optim=adamw"]),
+    # two model stages a process, the tied copies' all-reduce beside the replicas'
+    (2, "interleaved-1f1b", 2, ["optim=adamw", "tie_embeddings=true"]),
     (1, "sync", 2, ["optim=adamw"]),  # plain data parallelism: one stage, two replicas
 ]
 

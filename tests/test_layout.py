@@ -17,12 +17,12 @@ def layouts(pp: int, dp: int) -> list[ParallelLayout]:
 
 @pytest.mark.parametrize(("pp", "dp"), SHAPES)
 def test_every_rank_has_its_own_place_and_back(pp, dp):
-    places = [(lay.stage, lay.replica) for lay in layouts(pp, dp)]
+    places = [(lay.pp_rank, lay.replica) for lay in layouts(pp, dp)]
     assert sorted(places) == list(itertools.product(range(pp), range(dp)))
     for lay in layouts(pp, dp):
-        assert lay.coordinates(lay.rank) == (lay.stage, lay.replica)
-        assert lay.rank_of(lay.stage, lay.replica) == lay.rank
-        assert lay.rank_of(lay.stage) == lay.rank  # the replica defaults to its own
+        assert lay.coordinates(lay.rank) == (lay.pp_rank, lay.replica)
+        assert lay.rank_of(lay.pp_rank, lay.replica) == lay.rank
+        assert lay.rank_of(lay.pp_rank) == lay.rank  # the replica defaults to its own
 
 
 @pytest.mark.parametrize(("pp", "dp"), SHAPES)
@@ -36,11 +36,11 @@ def test_ranks_follow_the_device_mesh_order_with_dp_innermost(pp, dp):
 @pytest.mark.parametrize(("pp", "dp"), SHAPES)
 def test_neighbours_are_the_next_stages_of_the_same_replica(pp, dp):
     for lay in layouts(pp, dp):
-        assert lay.is_first_stage == (lay.stage == 0)
-        assert lay.is_last_stage == (lay.stage == pp - 1)
+        assert lay.is_first_stage == (lay.pp_rank == 0)
+        assert lay.is_last_stage == (lay.pp_rank == pp - 1)
         if not lay.is_last_stage:
-            after = ParallelLayout(pp, dp, lay.rank_of(lay.stage + 1))
-            assert (after.stage, after.replica) == (lay.stage + 1, lay.replica)
+            after = ParallelLayout(pp, dp, lay.rank_of(lay.pp_rank + 1))
+            assert (after.pp_rank, after.replica) == (lay.pp_rank + 1, lay.replica)
 
 
 @pytest.mark.parametrize(("pp", "dp"), SHAPES)
@@ -51,13 +51,32 @@ def test_one_leader_and_one_shard_per_stage(pp, dp):
     leader = everyone[0]
     assert leader.is_first_stage and leader.replica == 0
     assert {lay.shard for lay in everyone} == set(range(pp))
-    assert all(lay.shard == lay.stage and lay.shards == pp for lay in everyone)
+    assert all(lay.shard == lay.pp_rank and lay.shards == pp for lay in everyone)
 
 
 def test_with_one_replica_rank_is_stage():
-    assert [lay.stage for lay in layouts(4, 1)] == [0, 1, 2, 3]
+    assert [lay.pp_rank for lay in layouts(4, 1)] == [0, 1, 2, 3]
     assert ParallelLayout(4, 1, 2).name(3) == "stage 3"
     assert ParallelLayout(2, 2, 3).name() == "stage 1 of replica 1"
+
+
+def test_chunks_put_model_stage_c_times_p_plus_r_on_pipeline_rank_r():
+    """Interleaved schedules' virtual stages (Megatron's placement), with replicas."""
+    everyone = [ParallelLayout(3, 2, rank, chunks=2) for rank in range(6)]
+    assert [lay.stages for lay in everyone] == [(0, 3), (0, 3), (1, 4), (1, 4), (2, 5), (2, 5)]
+    lay = everyone[3]  # pipeline rank 1 of replica 1
+    assert lay.model_stages == 6
+    assert [lay.rank_of(stage) for stage in range(6)] == [1, 3, 5, 1, 3, 5]
+    assert [lay.chunk_of(stage) for stage in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert lay.name() == "stages 1, 4 of replica 1" and lay.name(4) == "stage 4 of replica 1"
+    assert [(x.is_first_stage, x.is_last_stage) for x in everyone[::2]] == [
+        (True, False),
+        (False, False),
+        (False, True),  # holds the head's stage 5
+    ]
+    assert {x.shard for x in everyone} == {0, 1, 2} and lay.shards == 3
+    with pytest.raises(ValueError, match=r"no stage 6 of replica 0 .* chunks=2"):
+        lay.rank_of(6, 0)
 
 
 def test_a_launch_of_the_wrong_size_is_refused_with_the_command_to_run():
@@ -121,4 +140,4 @@ def test_the_device_mesh_groups_are_the_layouts_replicas_and_pipelines():
     for rank, groups in sorted(results.get() for _ in range(4)):
         lay = ParallelLayout(2, 2, rank)
         assert groups["pp"] == [lay.rank_of(stage) for stage in range(2)]
-        assert groups["dp"] == [lay.rank_of(lay.stage, replica) for replica in range(2)]
+        assert groups["dp"] == [lay.rank_of(lay.pp_rank, replica) for replica in range(2)]

@@ -11,6 +11,7 @@ from nobubble.config import ConfigError
 from nobubble.model import ModelConfig
 from nobubble.planning import cli as plan_cli
 from nobubble.planning.costs import stage_costs
+from nobubble.planning.grid import grid, synchronous_schedules
 from nobubble.planning.hardware import DEVICES, LINKS
 from nobubble.planning.predict import Plan, predict
 
@@ -120,12 +121,41 @@ def test_plan_prints_every_schedule_and_the_best_that_fits(capsys):
     assert "no schedule fits in 1 GB per GPU" in capsys.readouterr().out
 
 
+def test_the_grid_compares_2bw_with_the_fastest_sync_schedule_at_each_shape():
+    points = grid(plan(), [2, 4], [1, 2])
+    assert [(pt.stages, pt.microbatches) for pt in points] == [(2, 2), (2, 4), (4, 4), (4, 8)]
+    for pt in points:
+        p = plan(stages=pt.stages, microbatches=pt.microbatches)
+        assert pt.async_run == predict(p, "2bw")
+        assert {r.schedule for r in pt.sync_runs} == set(synchronous_schedules())  # 8 blocks
+        fastest = max(pt.sync_runs, key=lambda r: r.tokens_per_s)
+        assert pt.best_sync == fastest == predict(p, fastest.schedule)
+        fitting = [r for r in pt.sync_runs if r.peak_memory_gb <= pt.async_run.peak_memory_gb]
+        assert pt.best_sync_within_memory == (fitting[0] if fitting else None)
+        # free messages: 2bw's steady state has no bubble, every flushing schedule has one
+        assert pt.async_run.tokens_per_s > pt.best_sync.tokens_per_s
+    with pytest.raises(ConfigError, match="8 blocks, too few for P = 16"):
+        grid(plan(), [2, 16], [1])
+
+
+def test_plan_grid_prints_a_row_per_shape_and_draws_it(tmp_path, capsys):
+    png = tmp_path / "grid.png"
+    args = ("--preset", "small", "--seq-len", "256", "--grid", "2,4", "--grid-ratios", "1,2")
+    assert cli(*args, "--png", str(png)) == 0
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith("| 4 | 8 |")]) == 1
+    assert png.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(ConfigError, match="--png draws a --grid"):
+        cli("--png", str(png))
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (("--mfu", "1.5"), "--mfu is a share of the peak"),
         (("--stages", "0"), "--stages must be at least 1"),
         (("--p2p-gbps", "0"), "--p2p-gbps must be positive"),
+        (("--grid", "2,x"), "--grid takes whole numbers"),
     ],
 )
 def test_bad_input_is_explained(argv, message):

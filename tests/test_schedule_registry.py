@@ -9,14 +9,30 @@ from nobubble.schedules import SCHEDULE_NAMES, check_invariants, generate, lower
 from nobubble.schedules.registry import SCHEDULES as SPECS
 
 
-def test_config_offers_sync_and_every_trainable_schedule():
-    trainable = [n for n, spec in SPECS.items() if spec.trainable]
-    assert (SYNC, *trainable) == SCHEDULES
+def test_config_offers_sync_and_every_schedule():
+    assert (SYNC, *SPECS) == SCHEDULES
     assert (SYNC, *(n for n, spec in SPECS.items() if spec.flushes)) == SYNC_SCHEDULES
     assert stage_delays(SYNC, 3) == [0, 0, 0]
-    for name in set(SCHEDULE_NAMES) - set(trainable):
-        with pytest.raises(ConfigError, match="the training runtime does not execute it yet"):
-            validate(TrainConfig(schedule=name, stages=2, microbatches=2, batch_size=2))
+
+
+def test_chunks_are_the_schedules_and_count_model_stages():
+    """``stages`` counts processes; interleaved-1f1b cuts the model into stages x chunks."""
+    cfg = TrainConfig(schedule="interleaved-1f1b", stages=2, microbatches=2, batch_size=2)
+    validate(cfg)
+    assert (cfg.stage_chunks(), cfg.model_stages()) == (2, 4)
+    three = TrainConfig(schedule="interleaved-1f1b", stages=2, chunks=3, microbatches=2)
+    assert three.model_stages() == 6
+    assert TrainConfig(schedule="2bw", stages=3).model_stages() == 3
+    with pytest.raises(ConfigError, match="chunks=1: interleaved-1f1b needs at least 2"):
+        validate(TrainConfig(schedule="interleaved-1f1b", stages=2, chunks=1, microbatches=2))
+    with pytest.raises(ConfigError, match="chunks=2: 1f1b runs one stage per rank"):
+        validate(TrainConfig(schedule="1f1b", stages=2, chunks=2, microbatches=2))
+    with pytest.raises(ConfigError, match="chunks=2: sync runs one model stage"):
+        validate(TrainConfig(schedule="sync", chunks=2))
+    with pytest.raises(ConfigError, match=r"lists 2 stages but stages x chunks = 2 x 2 = 4"):
+        validate(
+            TrainConfig(schedule="interleaved-1f1b", stages=2, microbatches=2, stage_layers=[2, 2])
+        )
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)

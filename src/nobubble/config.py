@@ -21,7 +21,7 @@ from nobubble.schedules.registry import SCHEDULES as PIPELINE_SCHEDULES
 from nobubble.schedules.registry import schedule_spec
 
 SYNC = "sync"  # no pipeline schedule: plain gradient accumulation (the pipeline runs it as 1f1b)
-SCHEDULES = (SYNC, *(name for name, spec in PIPELINE_SCHEDULES.items() if spec.trainable))
+SCHEDULES = (SYNC, *PIPELINE_SCHEDULES)
 SYNC_SCHEDULES = (SYNC, *(name for name, spec in PIPELINE_SCHEDULES.items() if spec.flushes))
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
@@ -171,7 +171,16 @@ class TrainConfig:
 
     # --- schedule ---
     schedule: str = _opt("sync", " | ".join(SCHEDULES))
-    stages: int = _opt(1, "pipeline stages P", POSITIVE)
+    stages: int = _opt(
+        1, "pipeline stages P (torchrun: one process per stage and replica)", POSITIVE
+    )
+    chunks: int | None = _opt(
+        None,
+        "model stages per pipeline stage (interleaved-1f1b's virtual stages): the model is cut "
+        "into stages x chunks parts, part c·P + r on stage r; default: the schedule's (2 for "
+        "interleaved-1f1b, else 1)",
+        POSITIVE,
+    )
     microbatches: int = _opt(1, "microbatches M per optimizer step", POSITIVE)
     dp: int = _opt(
         1,
@@ -245,6 +254,17 @@ class TrainConfig:
 
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
+
+    def stage_chunks(self) -> int:
+        """Model stages per pipeline stage: ``chunks``, or the schedule's default."""
+        if self.chunks is not None:
+            return self.chunks
+        return 1 if self.schedule == SYNC else schedule_spec(self.schedule).default_chunks
+
+    def model_stages(self) -> int:
+        """The parts the model is cut into (``stages`` x chunks): what partitions, per-stage
+        delays, clipping and checkpoint names count; ``stages`` counts processes."""
+        return self.stages * self.stage_chunks()
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -399,14 +419,15 @@ def validate(cfg: TrainConfig) -> None:
 
     _choice("preset", cfg.preset, PRESETS)
     _choice("optim", cfg.optim, OPTIMIZERS)
-    spec = PIPELINE_SCHEDULES.get(cfg.schedule)
-    if spec is not None and not spec.trainable:
-        raise ConfigError(
-            f"schedule {cfg.schedule!r} is simulated and drawn by `nobubble schedule`, but the "
-            "training runtime does not execute it yet; train with one of: "
-            f"{', '.join(SCHEDULES)} (synchronous ones give the same losses and weights)"
-        )
     _choice("schedule", cfg.schedule, SCHEDULES)
+    if cfg.chunks is not None:
+        problem = (
+            "sync runs one model stage per stage (chunks=1); interleaved-1f1b takes several"
+            if cfg.schedule == SYNC and cfg.chunks != 1
+            else cfg.schedule != SYNC and schedule_spec(cfg.schedule).chunk_problem(cfg.chunks)
+        )
+        if problem:
+            raise ConfigError(f"chunks={cfg.chunks}: {problem}")
     _choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
     _choice("dtype", cfg.dtype, DTYPES)
     _choice("device", cfg.device, DEVICES)
@@ -450,10 +471,15 @@ def validate(cfg: TrainConfig) -> None:
                 f"microbatch; set microbatches=1 (got {cfg.microbatches}) and choose batch_size "
                 "as the microbatch size"
             )
-    if cfg.stage_layers is not None and len(cfg.stage_layers) != cfg.stages:
+    if cfg.stage_layers is not None and len(cfg.stage_layers) != cfg.model_stages():
+        parts = (
+            f"stages={cfg.stages}"
+            if cfg.stage_chunks() == 1
+            else f"stages x chunks = {cfg.stages} x {cfg.stage_chunks()} = {cfg.model_stages()}"
+        )
         raise ConfigError(
-            f"stage_layers lists {len(cfg.stage_layers)} stages but stages={cfg.stages}; "
-            "give one block count per stage"
+            f"stage_layers lists {len(cfg.stage_layers)} stages but {parts}; give one block "
+            "count per model stage"
         )
     _check_model(cfg)
 
@@ -513,14 +539,15 @@ def _check_model(cfg: TrainConfig) -> None:
     from nobubble.model import model_config, partition
 
     mc = model_config(cfg, tokenizer_vocab=1)
-    partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
-    if mc.tie_embeddings and cfg.stages > 1 and cfg.schedule != SYNC:
-        spec, last = schedule_spec(cfg.schedule), cfg.stages - 1
-        if spec.delay(0, cfg.stages) != spec.delay(last, cfg.stages):
+    stages = cfg.model_stages()
+    partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+    if mc.tie_embeddings and stages > 1 and cfg.schedule != SYNC:
+        spec, last = schedule_spec(cfg.schedule), stages - 1
+        if spec.delay(0, stages) != spec.delay(last, stages):
             raise ConfigError(
                 f"the head is tied to the embedding (tie_embeddings), and {spec.name} trains the "
-                f"embedding (stage 0) with gradient delay {spec.delay(0, cfg.stages)} and the "
-                f"head (stage {last}) with delay {spec.delay(last, cfg.stages)}, so the two uses "
+                f"embedding (stage 0) with gradient delay {spec.delay(0, stages)} and the "
+                f"head (stage {last}) with delay {spec.delay(last, stages)}, so the two uses "
                 "of the one tied weight would need different versions of it; set "
                 "tie_embeddings=false, or use 2bw (delay 1 on every stage) or a synchronous "
                 "schedule"

@@ -1,10 +1,15 @@
 """The parallel layout of a run: which rank holds which pipeline stage of which replica.
 
 Two named dimensions: ``pp``, the pipeline degree P (the stages of one model replica), and
-``dp``, the data-parallel degree (replicas of the whole pipeline; 1 until data parallelism is
-implemented). Ranks are numbered with ``dp`` innermost::
+``dp``, the data-parallel degree (replicas of the whole pipeline). Ranks are numbered with ``dp``
+innermost::
 
-    rank = stage * dp + replica
+    rank = pp_rank * dp + replica
+
+With ``chunks`` v > 1 (interleaved schedules' virtual stages) the model is cut into P·v model
+stages and the process at pipeline position r holds model stages r, P + r, ..., (v-1)·P + r, as
+in Megatron-LM; messages and the schedule's actions name model stages, and :meth:`rank_of` maps a
+model stage to its process.
 
 which is the row-major order of ``init_device_mesh(device, (pp, dp), mesh_dim_names=("pp",
 "dp"))``, as in torchtitan and Megatron-LM (pipeline outermost). Why: the replicas of one stage
@@ -12,7 +17,7 @@ all-reduce that stage's whole gradient every step, while neighbouring stages exc
 microbatch's activations or gradients at a time, far fewer bytes for a model of any size. With
 ``dp`` innermost the replicas of a stage are neighbouring ranks, on one node whenever a node runs
 a multiple of ``dp`` processes, so the heavier traffic gets the faster links (NVLink) and only the
-pipeline's messages cross nodes. With ``dp = 1``, rank == stage.
+pipeline's messages cross nodes. With ``dp = 1`` and one chunk, rank == stage.
 
 Everything that needs "my stage", a neighbour, the logging rank or a checkpoint shard asks the
 layout; its maps are pure (no process group needed). In the single-process simulator a layout is
@@ -35,19 +40,24 @@ MESH_DIMS = ("pp", "dp")  # outermost first
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Rank ``rank`` of ``pp * dp`` processes: ``dp`` replicas of a ``pp``-stage pipeline."""
+    """Rank ``rank`` of ``pp * dp`` processes: ``dp`` replicas of a ``pp``-stage pipeline, each
+    process holding ``chunks`` model stages."""
 
     pp: int
     dp: int = 1
     rank: int = 0
+    chunks: int = 1
 
     def __post_init__(self) -> None:
-        if self.pp < 1 or self.dp < 1:
-            raise ValueError(f"parallel degrees must be >= 1 (got pp={self.pp}, dp={self.dp})")
+        if min(self.pp, self.dp, self.chunks) < 1:
+            raise ValueError(
+                f"parallel degrees must be >= 1 (got pp={self.pp}, dp={self.dp}, "
+                f"chunks={self.chunks})"
+            )
         self._check_rank(self.rank)
 
     @classmethod
-    def from_world(cls, pp: int, dp: int, rank: int, world: int) -> ParallelLayout:
+    def from_world(cls, pp: int, dp: int, rank: int, world: int, chunks: int = 1) -> ParallelLayout:
         """The layout of ``rank`` in a launch of ``world`` processes; a :class:`ConfigError`
         (saying how to launch instead) if ``world`` is not ``pp * dp``."""
         needed = pp * dp
@@ -58,41 +68,62 @@ class ParallelLayout:
                 f"torchrun started {world} processes but the config asks for {asked}; run "
                 f"`torchrun --nproc-per-node {needed} ...`{fix}"
             )
-        return cls(pp, dp, rank)
+        return cls(pp, dp, rank, chunks)
 
     @property
     def world(self) -> int:
         return self.pp * self.dp
 
+    @property
+    def model_stages(self) -> int:
+        return self.pp * self.chunks
+
     def coordinates(self, rank: int) -> tuple[int, int]:
-        """(stage, replica) of ``rank``: its place in the mesh, the inverse of :meth:`rank_of`."""
+        """(pp_rank, replica) of ``rank``: its place in the mesh."""
         self._check_rank(rank)
         return divmod(rank, self.dp)
 
     def rank_of(self, stage: int, replica: int | None = None) -> int:
-        """The rank holding ``stage`` of ``replica`` (default: this rank's replica)."""
+        """The rank holding model stage ``stage`` of ``replica`` (default: this rank's)."""
         replica = self.replica if replica is None else replica
-        if not (0 <= stage < self.pp and 0 <= replica < self.dp):
+        if not (0 <= stage < self.model_stages and 0 <= replica < self.dp):
             raise ValueError(
-                f"no stage {stage} of replica {replica} in a layout of pp={self.pp}, dp={self.dp}"
+                f"no stage {stage} of replica {replica} in a layout of pp={self.pp}, "
+                f"dp={self.dp}, chunks={self.chunks}"
             )
-        return stage * self.dp + replica
+        return stage % self.pp * self.dp + replica
+
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        """The model stages the processes at pipeline position ``pp_rank`` hold, in order."""
+        return tuple(chunk * self.pp + pp_rank for chunk in range(self.chunks))
+
+    def chunk_of(self, stage: int) -> int:
+        """Which of its process's model stages ``stage`` is (0 for the first)."""
+        return stage // self.pp
 
     @property
     def replica(self) -> int:
         return self.coordinates(self.rank)[1]
 
     @property
-    def stage(self) -> int:
+    def pp_rank(self) -> int:
+        """This process's position in its pipeline (its stage when chunks = 1)."""
         return self.coordinates(self.rank)[0]
 
     @property
+    def stages(self) -> tuple[int, ...]:
+        """The model stages this process holds."""
+        return self.stages_of(self.pp_rank)
+
+    @property
     def is_first_stage(self) -> bool:
-        return self.stage == 0
+        """Whether this process holds model stage 0 (the embedding)."""
+        return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.stage == self.pp - 1
+        """Whether this process holds the last model stage (the head)."""
+        return self.pp_rank == self.pp - 1
 
     @property
     def leader(self) -> int:
@@ -106,18 +137,20 @@ class ParallelLayout:
 
     @property
     def shard(self) -> int:
-        """This rank's checkpoint shard: its stage (one shard per stage)."""
-        return self.stage
+        """This rank's checkpoint shard: its pipeline position (one shard per process of a
+        replica, holding all its model stages; checkpoints are keyed by parameter name)."""
+        return self.pp_rank
 
     @property
     def shards(self) -> int:
         return self.pp
 
     def name(self, stage: int | None = None, replica: int | None = None) -> str:
-        """``stage`` of ``replica`` (defaults: this rank's), for messages."""
-        stage = self.stage if stage is None else stage
+        """Model stage ``stage`` of ``replica`` (defaults: this rank's stages), for messages."""
+        stages = self.stages if stage is None else (stage,)
         replica = self.replica if replica is None else replica
-        return f"stage {stage}" if self.dp == 1 else f"stage {stage} of replica {replica}"
+        what = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+        return what if self.dp == 1 else f"{what} of replica {replica}"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world:
@@ -139,7 +172,7 @@ def device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     if tuple(mesh.get_coordinate() or ()) != layout.coordinates(layout.rank):
         raise RuntimeError(
             f"the device mesh puts rank {layout.rank} at (pp, dp) = {mesh.get_coordinate()}, the "
-            f"layout at ({layout.stage}, {layout.replica}); this is a bug in nobubble"
+            f"layout at ({layout.pp_rank}, {layout.replica}); this is a bug in nobubble"
         )
     return mesh
 

@@ -44,7 +44,7 @@ SAFE_TO_CHANGE = frozenset(
 )  # fmt: skip
 
 # The parallel layout: may change on resume where each parameter keeps its gradient delay.
-LAYOUT = frozenset({"stages", "stage_layers", "embed_cost", "head_cost", "dp"})
+LAYOUT = frozenset({"stages", "chunks", "stage_layers", "embed_cost", "head_cost", "dp"})
 
 # Why a field cannot change, where the generic "it would be another run" says too little.
 WHY_NOT = {
@@ -112,7 +112,8 @@ def unit_stages(cfg: TrainConfig) -> dict[str, int]:
 
     mc = model_config(cfg, tokenizer_vocab=1)  # the split does not depend on the vocabulary
     owner: dict[str, int] = {}
-    for spec in partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers):
+    stages = cfg.model_stages()
+    for spec in partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers):
         if spec.has_embed:
             owner["the embedding"] = spec.index
         owner.update({f"block {block}": spec.index for block in spec.blocks})
@@ -131,11 +132,11 @@ def check_layout_change(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> 
     old_stage, new_stage = unit_stages(saved), unit_stages(cfg)
     split = ", ".join(
         f"{key}={getattr(saved, key)!r}"
-        for key in ("stages", "stage_layers", "embed_cost", "head_cost")
+        for key in ("stages", "chunks", "stage_layers", "embed_cost", "head_cost")
         if key == "stages" or getattr(saved, key) != getattr(cfg, key)
     )
-    old_delay = stage_delays(saved.schedule, saved.stages)
-    new_delay = stage_delays(cfg.schedule, cfg.stages)
+    old_delay = stage_delays(saved.schedule, saved.model_stages())
+    new_delay = stage_delays(cfg.schedule, cfg.model_stages())
     for unit, stage in old_stage.items():
         before, after = old_delay[stage], new_delay[new_stage[unit]]
         if before != after:
@@ -160,7 +161,8 @@ def split_change_note(saved: TrainConfig, cfg: TrainConfig, step: int) -> str | 
         return None
     return (
         f"gradients are clipped per stage (grad_clip={cfg.grad_clip}), so from step {step} on "
-        f"they are clipped over the {cfg.stages} new stages, not the {saved.stages} of the run "
+        f"they are clipped over the {cfg.model_stages()} new stages, not the "
+        f"{saved.model_stages()} of the run "
         "so far: the continuation is exactly what the new split computes from the checkpoint, "
         "but not what the old split would have computed (set grad_clip=0 at the start of a run "
         "for a clip-free run that can change its split without any difference)"

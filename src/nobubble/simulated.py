@@ -211,11 +211,12 @@ class SimulatedEngine:
     layout = ParallelLayout(pp=1)  # a description only: one process, one checkpoint shard
 
     def __init__(self, cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> None:
-        delays = stage_delays(cfg.schedule, cfg.stages)
+        stages = cfg.model_stages()  # interleaved: every model stage, one process for all
+        delays = stage_delays(cfg.schedule, stages)
         if mc.tie_embeddings and len(set(delays)) > 1:
             raise ConfigError(
                 f"{cfg.schedule} gives the embedding (stage 0) and the head (stage "
-                f"{cfg.stages - 1}) different delays, which a tied weight cannot have; set "
+                f"{stages - 1}) different delays, which a tied weight cannot have; set "
                 "tie_embeddings=false"
             )
         self.cfg, self.device = cfg, device
@@ -223,13 +224,13 @@ class SimulatedEngine:
         apply_stage_options(self.model, cfg, device)
         self.profiler = OFF
         params = dict(self.model.named_parameters())
-        specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+        specs = partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
         stage_params = [
             {n: params[n] for n in names} for names in stage_parameter_names(list(params), specs)
         ]
         optimizer = build_optimizer(list(params.items()), cfg)
         # tied over several stages: the last stage holds a copy for the head (module docstring)
-        self.split_tied = mc.tie_embeddings and cfg.stages > 1
+        self.split_tied = mc.tie_embeddings and stages > 1
         tied = None
         if self.split_tied:
             stage_params[-1][TIED_WEIGHT] = torch.nn.Parameter(params[TIED_WEIGHT].detach().clone())

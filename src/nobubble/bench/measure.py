@@ -179,7 +179,9 @@ def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
     busy = [s.busy_s for s in stages]
     # what to simulate it as: the run's schedule, or what a torch baseline names (None: nothing
     # of ours runs its order)
-    simulated = summary.get("simulated_as", {"schedule": cfg.schedule, "chunks": 1})
+    simulated = summary.get(
+        "simulated_as", {"schedule": cfg.schedule, "chunks": cfg.stage_chunks()}
+    )
     timed = uniform = predicted = None
     if simulated is not None:
         name, chunks = simulated["schedule"], simulated["chunks"]

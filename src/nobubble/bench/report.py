@@ -209,7 +209,7 @@ def _speed_targets(
     return found
 
 
-def _synchronous(name: str) -> bool:
+def is_synchronous(name: str) -> bool:
     """A plain variant with synchronous semantics: torch's baselines, and ours that flush."""
     variant = VARIANTS.get(name)  # --options variants (1f1b+ac, ...) are not plain ones
     if variant is None:
@@ -224,7 +224,7 @@ def _sync_comparison(results: Results, memory: Results) -> list[Target]:
         return []
     peak = {name: max(_peak_mb(runs)) for name, runs in (memory or results).items()}
     speed = {name: _median([run.tokens_per_s for run in runs]) for name, runs in results.items()}
-    sync = sorted((n for n in results if _synchronous(n)), key=lambda n: -speed[n])
+    sync = sorted((n for n in results if is_synchronous(n)), key=lambda n: -speed[n])
     found = []
     for label, pool in (
         ("at any memory", sync),

@@ -113,7 +113,7 @@ class TorchStageRunner:
         device: torch.device,
         layout: ParallelLayout,
     ):
-        self.cfg, self.device, self.stage = cfg, device, layout.stage
+        self.cfg, self.device, self.stage = cfg, device, layout.pp_rank
         self.layout = layout
         self.first, self.last = layout.is_first_stage, layout.is_last_stage
         data, vocab, _ = build_stage_data(cfg, run_dir, layout)
@@ -134,7 +134,7 @@ class TorchStageRunner:
         stages = cfg.stages * chunks
         layers = cfg.stage_layers if chunks == 1 else None  # stage_layers lists P stages
         specs = partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, layers)
-        indices = [c * cfg.stages + layout.stage for c in range(chunks)]  # this rank's stages
+        indices = [c * cfg.stages + layout.pp_rank for c in range(chunks)]  # this rank's stages
         self.modules = [Stage(mc, specs[i], cfg.seed).to(device) for i in indices]
         self.module = torch.nn.ModuleList(self.modules)  # for the parameter counts below
         named = [(n, p) for m in self.modules for n, p in m.named_parameters()]

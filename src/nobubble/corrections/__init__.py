@@ -99,11 +99,11 @@ def parameter_delays(names: list[str], cfg: TrainConfig) -> dict[str, int]:
     from nobubble.model import model_config, partition
     from nobubble.simulated import stage_parameter_names  # the simulator imports the optimizers
 
-    delays = stage_delays(cfg.schedule, cfg.stages)
+    delays = stage_delays(cfg.schedule, cfg.model_stages())
     if len(set(delays)) == 1:
         return dict.fromkeys(names, delays[0])
     mc = model_config(cfg, tokenizer_vocab=1)
-    specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+    specs = partition(mc.n_layers, len(delays), cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
     owned = stage_parameter_names(names, specs)
     return {name: delays[stage] for stage, group in enumerate(owned) for name in group}
 
@@ -192,7 +192,7 @@ register(
 
 
 def _predict_refuses(cfg: TrainConfig) -> str | None:
-    if max(stage_delays(cfg.schedule, cfg.stages)) == 0:
+    if max(stage_delays(cfg.schedule, cfg.model_stages())) == 0:
         return (
             f"{cfg.schedule} with stages={cfg.stages} has no gradient delay to extrapolate over "
             "(every step would run at its weights themselves, a plain run under another name); "

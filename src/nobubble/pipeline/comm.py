@@ -1,8 +1,9 @@
 """Point-to-point messages between pipeline stages, with timeouts that name the culprit.
 
-Every message has a channel (activation, gradient, step statistics, evaluation, control) and a
-sequence number (the microbatch or step); together they form the p2p tag, so messages can be
-posted in any order. Sends are asynchronous (their tensors are kept alive until they complete);
+Every message has a channel (activation, gradient, step statistics, evaluation, control), a
+sequence number (the microbatch or step) and, where a process holds several model stages, the
+chunk of the stage it is for; together they form the p2p tag, so messages can be posted in any
+order. Sends are asynchronous (their tensors are kept alive until they complete);
 receives are posted early and waited for where their data is consumed.
 """
 
@@ -30,8 +31,9 @@ class Channel(enum.IntEnum):
     STOP_VOTE = 6
 
 
-def tag(channel: Channel, sequence: int) -> int:
-    return sequence * len(Channel) + int(channel)
+def tag(channel: Channel, sequence: int, chunk: int = 0, chunks: int = 1) -> int:
+    """The p2p tag: unique per channel, sequence and receiving chunk (of ``chunks``)."""
+    return (sequence * chunks + chunk) * len(Channel) + int(channel)
 
 
 class PeerFailure(RuntimeError):
@@ -87,10 +89,14 @@ class Messenger:
         channel: Channel,
         sequence: int,
         replica: int | None = None,
+        chunk: int = 0,
     ) -> None:
+        """Send ``tensor`` to model stage ``peer``; ``chunk``: which of the receiving process's
+        stages it is for (the receiver's chunk, where it holds several)."""
         tensor = tensor.detach().contiguous()
         rank = self.layout.rank_of(peer, replica)
-        self.sends.append((dist.isend(tensor, rank, tag=tag(channel, sequence)), tensor))
+        number = tag(channel, sequence, chunk, self.layout.chunks)
+        self.sends.append((dist.isend(tensor, rank, tag=number), tensor))
         if len(self.sends) > SEND_WINDOW:
             self._wait_sends(self.sends[:-SEND_WINDOW])
             del self.sends[:-SEND_WINDOW]
@@ -105,9 +111,13 @@ class Messenger:
         sequence: int,
         what: str,
         replica: int | None = None,
+        chunk: int = 0,
     ) -> PendingRecv:
+        """Post the receive of a message from model stage ``peer`` for this process's stage of
+        chunk ``chunk``."""
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buffer, self.layout.rank_of(peer, replica), tag=tag(channel, sequence))
+        number = tag(channel, sequence, chunk, self.layout.chunks)
+        work = dist.irecv(buffer, self.layout.rank_of(peer, replica), tag=number)
         return PendingRecv(buffer, work, peer, replica, what, channel, sequence)
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:

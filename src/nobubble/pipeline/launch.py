@@ -1,6 +1,7 @@
 """Start a pipeline run under torchrun: one process per stage, the same training loop on each.
 
-The layout (:mod:`nobubble.layout`) says which stage each process runs. Its leader (rank 0, the
+The layout (:mod:`nobubble.layout`) says which stage (or, interleaved, which model stages) each
+process runs. Its leader (rank 0, the
 first stage) opens the run (a new one is set up in a folder beside its run folder) and builds the
 data; the last stage then builds the same data from the data source with the tokenizer the
 leader sends it (setting up a new run, no rank but the leader touches the run folder: nodes share
@@ -54,7 +55,14 @@ def launched_by_torchrun() -> bool:
 def launch_layout(cfg: TrainConfig) -> ParallelLayout:
     """This process's layout, from torchrun's environment."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    return ParallelLayout.from_world(cfg.stages, cfg.dp, rank, world)
+    chunks = cfg.stage_chunks()
+    if chunks > 1 and cfg.stages == 1:
+        raise ConfigError(
+            f"{cfg.schedule} with stages=1 puts all {chunks} model stages on one process, which "
+            "gains nothing from interleaving; use stages >= 2 (processes), or train without "
+            "torchrun (the single-process engine runs the same semantics)"
+        )
+    return ParallelLayout.from_world(cfg.stages, cfg.dp, rank, world, chunks)
 
 
 def check_launch(cfg: TrainConfig, layout: ParallelLayout) -> None:

@@ -1,7 +1,9 @@
-"""One pipeline stage: executes its action list of the schedule IR on real tensors.
+"""One pipeline process: executes its action list of the schedule IR on real tensors.
 
-The stage owns a slice of the model (:class:`nobubble.model.Stage`) and its weight versions
-(:class:`nobubble.versions.VersionStore`, the same as the simulator's). Every F runs with the
+The process holds one model stage, or several under an interleaved schedule (the layout's
+``chunks``); each is a :class:`nobubble.pipeline.held_stage.HeldStage` with its slice of the
+model and its weight versions (:class:`nobubble.versions.VersionStore`, the same as the
+simulator's), and every action names the stage it runs on. Every F runs with the
 version its action names and every B with the same one (weight stashing through
 ``functional_call``, never an in-place swap); a STEP clips, steps the optimizer on the newest
 version and, when microbatches in flight still need it, first copies it (two versions under 2bw).
@@ -39,24 +41,19 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from nobubble.config import SYNC, TrainConfig, chosen_corrections
+from nobubble.config import SYNC, TrainConfig
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
-from nobubble.model import TIED_WEIGHT, ModelConfig, Stage, holds_tied_copy, lm_loss, partition
-from nobubble.optim import build_optimizer
-from nobubble.optim.named_state import load_named_state, named_state
+from nobubble.model import ModelConfig, lm_loss, partition
+from nobubble.optim.named_state import NamedState, load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
-from nobubble.pipeline.replicas import PendingReduction, ReplicaReduction, replica_rows
-from nobubble.pipeline.split_backward import SplitBackward
-from nobubble.prediction import StepWeights
+from nobubble.pipeline.held_stage import HeldStage
+from nobubble.pipeline.replicas import PendingReduction, replica_rows
 from nobubble.profiling import OFF, action_label, label, labelled
 from nobubble.schedules import Action, ActionKind, generate, lower, schedule_spec
 from nobubble.simulated import autocast, versions_from_tensors
-from nobubble.stage_options import apply_stage_options
-from nobubble.update import optimizer_step, prepare_step
-from nobubble.versions import VersionStore
 
 RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
 RECV_AHEAD = 4  # post a receive this many actions before the action that consumes it
@@ -67,22 +64,28 @@ def ir_schedule(schedule: str) -> str:
     return "1f1b" if schedule == SYNC else schedule
 
 
-def segment_actions(
-    cfg: TrainConfig, stage: int, start: int, stop: int, delay: int
-) -> list[Action]:
-    """This stage's lowered actions for steps [start, stop), with global indices and versions."""
+def segment_actions(cfg: TrainConfig, pp_rank: int, start: int, stop: int) -> list[Action]:
+    """The lowered actions of the process at pipeline position ``pp_rank`` for steps
+    [start, stop), with global indices and versions."""
     # a step is cfg.microbatches microbatches (pipedream: 1, which the config enforces)
     schedule = ir_schedule(cfg.schedule)
-    lowered = lower(generate(schedule, cfg.stages, cfg.microbatches, stop - start))
+    chunks = cfg.stage_chunks()
+    lowered = lower(
+        generate(
+            schedule, cfg.stages, cfg.microbatches, stop - start, chunks if chunks > 1 else None
+        )
+    )
+    delays = stage_delays(cfg.schedule, cfg.model_stages())
     actions = []
-    for action in lowered[stage]:
+    for action in lowered[pp_rank]:
         step = action.step + start
         # a STEP produces version step+1; F, B and their messages use the delayed version
+        delay = delays[action.stage]
         version = step + 1 if action.kind is ActionKind.STEP else gradient_version(step, delay)
         if start == 0 and version != action.version:
             raise RuntimeError(
-                f"schedule IR and delay rule disagree at stage {stage}: {action} should use "
-                f"version {version}; this is a bug in nobubble"
+                f"schedule IR and delay rule disagree at stage {action.stage}: {action} should "
+                f"use version {version}; this is a bug in nobubble"
             )
         microbatch = (
             None if action.microbatch is None else action.microbatch + start * cfg.microbatches
@@ -94,10 +97,10 @@ def segment_actions(
 
 
 class PipelineEngine:
-    """The stage ``layout.stage`` of replica ``layout.replica`` of a ``cfg.stages``-stage
-    pipeline (torch.distributed must be initialized). Peers are addressed by stage; the layout
-    maps stages to ranks. ``replicas``: the process group of this stage's data-parallel
-    replicas (None without data parallelism)."""
+    """The model stages ``layout.stages`` of replica ``layout.replica`` of a pipeline
+    (torch.distributed must be initialized). Peers are addressed by model stage; the layout maps
+    stages to ranks. ``replicas``: the process group of this process's data-parallel replicas
+    (None without data parallelism)."""
 
     def __init__(
         self,
@@ -109,48 +112,25 @@ class PipelineEngine:
         replicas: dist.ProcessGroup | None = None,
     ) -> None:
         self.cfg, self.device, self.layout = cfg, device, layout
-        specs = partition(mc.n_layers, cfg.stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
-        self.spec = specs[layout.stage]
-        self.first, self.last = self.spec.has_embed, self.spec.has_head
-        self.module = Stage(mc, self.spec, cfg.seed).to(device)
-        apply_stage_options(self.module, cfg, device)
+        specs = partition(
+            mc.n_layers, layout.model_stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers
+        )
         split = schedule_spec(ir_schedule(cfg.schedule)).split_backward
-        self.split = SplitBackward(self.module) if split else None  # zero-bubble I/W
+        tied = tied_group(layout) if mc.tie_embeddings and layout.pp > 1 else None
+        self.held = {
+            stage: HeldStage(stage, specs[stage], cfg, mc, device, layout, replicas, tied, split)
+            for stage in layout.stages
+        }
+        self.first, self.last = layout.is_first_stage, layout.is_last_stage
+        self.delay = max(held.delay for held in self.held.values())
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
-        params = dict(self.module.named_parameters())
-        self.store = VersionStore(params)
-        self.optimizer = build_optimizer(list(params.items()), cfg)
-        self.delay = stage_delays(cfg.schedule, cfg.stages)[layout.stage]
-        self.point = StepWeights(self.store, self.delay, "predict" in chosen_corrections(cfg))
         self.messenger = Messenger(layout, cfg.p2p_timeout_s)
         self.hidden_shape = (cfg.microbatch_size() // layout.dp, cfg.seq_len, mc.d_model)
-        self.reduction = (
-            ReplicaReduction(replicas, layout.dp, cfg.p2p_timeout_s, layout.name())
-            if layout.dp > 1
-            else None
-        )
-        # tied embeddings split over stages: this stage's copy, summed with the other's
-        self.tied_name = TIED_WEIGHT if holds_tied_copy(mc, self.spec) else None
-        group = tied_group(layout) if mc.tie_embeddings and layout.pp > 1 else None
-        self.tied = (  # sum over first + last, mean over replicas: the dp divisor
-            ReplicaReduction(
-                group,
-                layout.dp,
-                cfg.p2p_timeout_s,
-                layout.name(),
-                "the all-reduce of the tied weight with the other stages that hold a copy",
-                "tied all-reduce",
-            )
-            if self.tied_name
-            else None
-        )
-        self.reduced = [p for name, p in params.items() if name != self.tied_name]  # dp bucket
         self.val_batches = val_batches
         self.eval_sequence = 0
         self.step = 0
         self.micro_per_step = cfg.microbatches  # pipedream: 1, which the config enforces
         self.train_wall_s = self.train_idle_s = 0.0
-        self.versions_peak = 1
         self.peer_stop = False  # leader: a rank asked to stop in the last steps of a segment
 
     def barrier(self) -> None:
@@ -173,7 +153,7 @@ class PipelineEngine:
         steps: what remains is exactly the schedule of the shorter run, cool-down included. A stop
         requested on another rank reaches the leader as that rank's vote (see ``_Segment.clear``).
         """
-        actions = segment_actions(self.cfg, self.layout.stage, self.step, stop, self.delay)
+        actions = segment_actions(self.cfg, self.layout.pp_rank, self.step, stop)
         run = _Segment(self, next_batch, on_step)
         started, waited = time.perf_counter(), self.messenger.waited_s
         index = 0
@@ -189,59 +169,62 @@ class PipelineEngine:
             with action_label(action):
                 run.execute(action)
             index += 1
-        run.finish_update()
+        run.finish_updates()
         run.count_remaining_votes()
         self.messenger.drain()
         self.train_wall_s += time.perf_counter() - started
         self.train_idle_s += self.messenger.waited_s - waited
 
-    def apply_step(self, step: int) -> tuple[float, bool, float]:
-        """The rest of the STEP action, once the gradient is complete (and averaged over the
-        replicas): clip -> optimizer on the newest version."""
-        norm, ok = prepare_step(
-            self.store, step, self.point.history, self.cfg.grad_clip, self.tied_name, self.first
-        )
-        self.versions_peak = max(self.versions_peak, self.point.copies())
-        lr = optimizer_step(self.optimizer, step, self.cfg)
-        self.step = step + 1
-        return norm, ok, lr
-
     def stage_reports(self, digests: bool = True) -> list[dict[str, float]] | None:
         """Every rank's idle time and memory, gathered on the leader (a collective call), so far
         in this session; ``digests``: with the digests of the weights (which read all of them).
 
-        ``idle_s`` counts the time blocked on pipeline peers and, with data parallelism, on the
-        gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``), and on a stage that
-        holds a tied copy, on the tied all-reduce (``tied_allreduce_wait_s`` of
-        ``tied_allreduce_s``); ``tied_sha256`` is the digest of its copy's newest version.
-        ``allreduce_last_s`` and ``allreduce_last_wait_s`` are the run's final all-reduce alone
-        (no compute is left to hide it behind; the benchmark reports it apart).
+        One report per process (``stage``: its pipeline position; ``stages``: the model stages
+        it holds). ``idle_s`` counts the time blocked on pipeline peers and, with data
+        parallelism, on the gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``),
+        and on a process that holds a tied copy, on the tied all-reduce
+        (``tied_allreduce_wait_s`` of ``tied_allreduce_s``); ``tied_sha256`` is the digest of its
+        copy's newest version. ``allreduce_last_s`` and ``allreduce_last_wait_s`` are the run's
+        final all-reduce alone (no compute is left to hide it behind; the benchmark reports it
+        apart).
         """
-        param_mb = sum(p.numel() * p.element_size() for p in self.store.params.values()) / 2**20
-        idle = self.train_idle_s + sum(r.waited_s for r in (self.reduction, self.tied) if r)
+        held = list(self.held.values())
+        reductions = [h.reduction for h in held if h.reduction]
+        tied = [h for h in held if h.tied]
+        idle = self.train_idle_s + sum(r.waited_s for r in reductions)
+        idle += sum(h.tied.waited_s for h in tied)
         report = {
-            "stage": self.layout.stage,
+            "stage": self.layout.pp_rank,
+            "stages": list(self.layout.stages),
             "replica": self.layout.replica,
-            "blocks": len(self.spec.blocks),
+            "blocks": sum(len(h.spec.blocks) for h in held),
             "train_wall_s": self.train_wall_s,
             "idle_s": idle,
             "idle_fraction": idle / self.train_wall_s if self.train_wall_s else 0.0,
             "peak_mem_mb": peak_memory_mb(self.device),
-            "param_mb": param_mb,
-            "weight_versions_peak": self.versions_peak,
+            "param_mb": sum(h.param_mb() for h in held),
+            "weight_versions_peak": max(h.versions_peak for h in held),
         }
-        newest = self.store[self.store.newest]
         if digests:
-            report["weights_sha256"] = weights_digest(newest)
-        if self.reduction:
-            report |= self.reduction.report("allreduce")
-        if self.tied:
+            report["weights_sha256"] = weights_digest(self.newest_weights())
+        if reductions:
+            report |= _summed([r.report("allreduce") for r in reductions])
+        for h in tied:  # at most one: the first or the last stage
             if digests:
-                report["tied_sha256"] = weights_digest({self.tied_name: newest[self.tied_name]})
-            report |= self.tied.report("tied_allreduce")
+                newest = h.store[h.store.newest]
+                report["tied_sha256"] = weights_digest({h.tied_name: newest[h.tied_name]})
+            report |= h.tied.report("tied_allreduce")
         reports = [None] * self.layout.world if self.layout.is_leader else None
         dist.gather_object(report, reports, dst=self.layout.leader)
         return reports
+
+    def newest_weights(self) -> dict[str, torch.Tensor]:
+        """The newest version of every parameter this process holds, by name."""
+        return {
+            name: tensor
+            for h in self.held.values()
+            for name, tensor in h.store[h.store.newest].items()
+        }
 
     # -- evaluation -----------------------------------------------------------------------------
 
@@ -250,7 +233,8 @@ class PipelineEngine:
     def evaluate(
         self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor | None
     ) -> EvalSums:
-        """Forward the validation batches through the stages at the newest weights."""
+        """Forward the validation batches through the stages at the newest weights, one
+        microbatch at a time through this process's stages in order."""
         sums = EvalSums()
         chunks: list[torch.Tensor] = [
             replica_rows(micro, self.layout)
@@ -258,28 +242,35 @@ class PipelineEngine:
             for micro in batch.to(self.device).chunk(self.cfg.microbatches)
         ]
         count = self.val_batches * self.cfg.microbatches
+        chunk_of = self.layout.chunk_of
         for i in range(count):
             sequence = self.eval_sequence + i
-            if self.first:
-                x = chunks[i][:, :-1]
-            else:
-                x = self.messenger.recv(
-                    self.hidden_shape,
-                    torch.float32,
-                    self.device,
-                    self.layout.stage - 1,
-                    Channel.EVAL_ACTIVATION,
-                    sequence,
-                    f"evaluation activation {i}",
-                )
-            with autocast(self.device, self.cfg.dtype):
-                out = self.module(x)
-            if self.last:
-                sums.add(out, chunks[i][:, 1:], token_bytes)
-            else:
-                self.messenger.send(
-                    out.float(), self.layout.stage + 1, Channel.EVAL_ACTIVATION, sequence
-                )
+            for stage, held in self.held.items():
+                if held.first:
+                    x = chunks[i][:, :-1]
+                else:
+                    x = self.messenger.recv(
+                        self.hidden_shape,
+                        torch.float32,
+                        self.device,
+                        stage - 1,
+                        Channel.EVAL_ACTIVATION,
+                        sequence,
+                        f"evaluation activation {i}",
+                        chunk=chunk_of(stage),
+                    )
+                with autocast(self.device, self.cfg.dtype):
+                    out = held.module(x)
+                if held.last:
+                    sums.add(out, chunks[i][:, 1:], token_bytes)
+                else:
+                    self.messenger.send(
+                        out.float(),
+                        stage + 1,
+                        Channel.EVAL_ACTIVATION,
+                        sequence,
+                        chunk=chunk_of(stage + 1),
+                    )
         self.eval_sequence += count
         sums = self._gather_to_first_stage(sums)
         self.messenger.drain()
@@ -287,17 +278,18 @@ class PipelineEngine:
 
     def _gather_to_first_stage(self, sums: EvalSums) -> EvalSums:
         """The totals of every replica's share, on the first stage of every replica."""
-        if self.layout.is_last_stage and self.reduction:
+        reduction = self.held[self.layout.stages[-1]].reduction
+        if self.last and reduction:
             totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
-            dist.all_reduce(totals, group=self.reduction.group)
+            dist.all_reduce(totals, group=reduction.group)
             sums = EvalSums.from_list(totals.tolist())
         if self.layout.pp == 1:
             return sums
-        last = self.layout.pp - 1
-        if self.layout.is_last_stage:
+        last = self.layout.model_stages - 1
+        if self.last:
             totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
             self.messenger.send(totals, 0, Channel.EVAL_SUMS, self.eval_sequence)
-        if self.layout.is_first_stage:
+        if self.first:
             totals = self.messenger.recv(
                 (4,),
                 torch.float64,
@@ -315,21 +307,29 @@ class PipelineEngine:
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         return {
             f"v{version}/{name}": tensor
-            for version, weights in self.store.snapshot().items()
+            for held in self.held.values()
+            for version, weights in held.store.snapshot().items()
             for name, tensor in weights.items()
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The step and this stage's optimizer state by parameter name."""
-        return {"step": self.step, "optimizer": named_state(self.optimizer)}
+        """The step and the optimizer state of this process's stages by parameter name."""
+        state = NamedState.merge(named_state(held.optimizer) for held in self.held.values())
+        return {"step": self.step, "optimizer": state}
 
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         """Continue from a checkpoint of any layout: ``tensors`` and ``state`` hold (at least)
-        this stage's parameters by name; other parameters are not looked at."""
+        this process's parameters by name; other parameters are not looked at."""
         self.step = state["step"]
-        history = self.point.history
-        self.store.load(versions_from_tensors(tensors, self.store.params, self.step, history))
-        load_named_state(self.optimizer, state["optimizer"], skip_unowned=True)
+        for held in self.held.values():
+            history, params = held.point.history, held.store.params
+            held.store.load(versions_from_tensors(tensors, params, self.step, history))
+            load_named_state(held.optimizer, state["optimizer"], skip_unowned=True)
+
+
+def _summed(reports: list[dict[str, float]]) -> dict[str, float]:
+    """Several stages' all-reduce reports as one (times and bytes add up)."""
+    return {key: sum(r[key] for r in reports) for key in reports[0]}
 
 
 def tied_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
@@ -339,7 +339,7 @@ def tied_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
     ranks = sorted(
         layout.rank_of(stage, replica)
         for replica in range(layout.dp)
-        for stage in (0, layout.pp - 1)
+        for stage in (0, layout.model_stages - 1)
     )
     group = dist.new_group(ranks)
     return group if layout.is_first_stage or layout.is_last_stage else None
@@ -378,13 +378,15 @@ class _Segment:
         self.next_batch = next_batch
         self.on_step = on_step
         self.batches: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
-        self.input_grads: dict[int, torch.Tensor] = {}
-        self.recvs: dict[tuple[ActionKind, int], PendingRecv] = {}
+        # keyed by (stage, microbatch): stage's (input, output) of its F; its input gradient
+        self.stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.recvs: dict[tuple[ActionKind, int, int], PendingRecv] = {}
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
         self.votes: dict[int, list[PendingRecv]] = {}  # leader: the other ranks' stop votes
-        self.pending: _PendingUpdate | None = None  # a STEP waiting for its all-reduces
+        self.pending: dict[int, _PendingUpdate] = {}  # by stage: STEPs awaiting all-reduces
+        self.reports: dict[int, dict[int, torch.Tensor]] = {}  # step -> stage -> statistics
 
     def clear(self, step: int, should_stop: Callable[[], bool]) -> bool:
         """Whether ``step`` runs: the leader decides and tells every other rank.
@@ -452,7 +454,7 @@ class _Segment:
 
     def post_receives(self, actions: list[Action], index: int) -> None:
         for action in actions[index : index + RECV_AHEAD]:
-            key = (action.kind, action.microbatch)
+            key = (action.kind, action.stage, action.microbatch)
             if action.step > self.cleared:
                 break
             if action.kind in RECV_CHANNELS and key not in self.recvs:
@@ -464,11 +466,13 @@ class _Segment:
                     action.peer,
                     RECV_CHANNELS[action.kind],
                     action.microbatch,
-                    f"the {what} of microbatch {action.microbatch} (step {action.step})",
+                    f"the {what} of microbatch {action.microbatch} for stage {action.stage} "
+                    f"(step {action.step})",
+                    chunk=self.e.layout.chunk_of(action.stage),
                 )
 
-    def received(self, kind: ActionKind, microbatch: int) -> torch.Tensor:
-        return self.e.messenger.wait(self.recvs.pop((kind, microbatch)))
+    def received(self, kind: ActionKind, action: Action) -> torch.Tensor:
+        return self.e.messenger.wait(self.recvs.pop((kind, action.stage, action.microbatch)))
 
     def microbatch(self, action: Action) -> torch.Tensor:
         """The token rows of this F's microbatch (first and last stage only)."""
@@ -484,133 +488,156 @@ class _Segment:
 
     def execute(self, action: Action) -> None:
         e, kind = self.e, action.kind
+        held = e.held[action.stage]
         if kind is ActionKind.F:
-            self.forward(action)
+            self.forward(held, action)
         elif kind is ActionKind.B:
-            self.backward(action)
+            self.backward(held, action)
         elif kind is ActionKind.I:
-            self.input_gradient(action)
+            self.input_gradient(held, action)
         elif kind is ActionKind.W:
-            self.weight_gradient(action)
+            held.split.weight_gradient(action.microbatch)  # the linear layers' weight gradients
         elif kind is ActionKind.SEND_ACT:
             e.messenger.send(
-                self.stash[action.microbatch][1], action.peer, Channel.ACTIVATION, action.microbatch
+                self.stash[action.stage, action.microbatch][1],
+                action.peer,
+                Channel.ACTIVATION,
+                action.microbatch,
+                chunk=e.layout.chunk_of(action.peer),
             )
         elif kind is ActionKind.SEND_GRAD:
             e.messenger.send(
-                self.input_grads.pop(action.microbatch),
+                self.input_grads.pop((action.stage, action.microbatch)),
                 action.peer,
                 Channel.GRADIENT,
                 action.microbatch,
+                chunk=e.layout.chunk_of(action.peer),
             )
         elif kind is ActionKind.STEP:
-            self.step(action.step)
+            self.step(held, action.step)
         # RECV_*: posted ahead by post_receives, consumed by F/B
 
-    def forward(self, action: Action) -> None:
+    def forward(self, held: HeldStage, action: Action) -> None:
         e = self.e
-        rows = self.microbatch(action) if (e.first or e.last) else None
-        if e.first:
+        rows = self.microbatch(action) if (held.first or held.last) else None
+        if held.first:
             x = rows[:, :-1]
         else:
-            x = self.received(ActionKind.RECV_ACT, action.microbatch).requires_grad_(True)
-        recording = e.split.forward(action.microbatch) if e.split else nullcontext()
+            x = self.received(ActionKind.RECV_ACT, action).requires_grad_(True)
+        recording = held.split.forward(action.microbatch) if held.split else nullcontext()
         with recording, autocast(e.device, e.cfg.dtype):
-            out = functional_call(e.module, e.point.at(action.step), (x,))
-        if e.last:
+            out = functional_call(held.module, held.point.at(action.step), (x,))
+        if held.last:
             out = lm_loss(out, rows[:, 1:])
             self.losses[action.step] = self.losses.get(action.step, 0.0) + out.detach().double()
-        self.stash[action.microbatch] = (x, out)
+        self.stash[action.stage, action.microbatch] = (x, out)
 
-    def _backward_target(self, action: Action) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _backward_target(
+        self, held: HeldStage, action: Action
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a backward differentiates: the loss share (last stage) or this stage's output
         with the next stage's gradient."""
-        out = self.stash[action.microbatch][1]
-        if self.e.last:
+        out = self.stash[action.stage, action.microbatch][1]
+        if held.last:
             return out / self.e.micro_per_step, None
-        return out, self.received(ActionKind.RECV_GRAD, action.microbatch)
+        return out, self.received(ActionKind.RECV_GRAD, action)
 
-    def backward(self, action: Action) -> None:
-        target, grad = self._backward_target(action)
-        x, _ = self.stash.pop(action.microbatch)
+    def backward(self, held: HeldStage, action: Action) -> None:
+        target, grad = self._backward_target(held, action)
+        x, _ = self.stash.pop((action.stage, action.microbatch))
         target.backward(grad)
-        if not self.e.first:
-            self.input_grads[action.microbatch] = x.grad
+        if not held.first:
+            self.input_grads[action.stage, action.microbatch] = x.grad
 
-    def input_gradient(self, action: Action) -> None:
+    def input_gradient(self, held: HeldStage, action: Action) -> None:
         """I of a split backward: the gradient the previous stage waits for (the first stage
         has none) and every weight gradient but the linear layers', which W computes."""
-        e = self.e
-        target, grad = self._backward_target(action)
-        x, _ = self.stash.pop(action.microbatch)
-        weights = e.point.at(action.step)
-        gx = e.split.input_gradient(
-            action.microbatch, target, grad, None if e.first else x, weights
+        target, grad = self._backward_target(held, action)
+        x, _ = self.stash.pop((action.stage, action.microbatch))
+        weights = held.point.at(action.step)
+        gx = held.split.input_gradient(
+            action.microbatch, target, grad, None if held.first else x, weights
         )
-        if not e.first:
-            self.input_grads[action.microbatch] = gx
+        if not held.first:
+            self.input_grads[action.stage, action.microbatch] = gx
 
-    def weight_gradient(self, action: Action) -> None:
-        """W of a split backward: the linear layers' weight gradients."""
-        self.e.split.weight_gradient(action.microbatch)
-
-    def step(self, step: int) -> None:
-        """The STEP action: the gradient is complete; average it over the replicas and sum the
-        tied weight's with the other stage's (in the background), or apply the update now."""
-        e = self.e
-        e.point.take_gradients(step)
-        total = self.losses.pop(step, None)
-        if e.reduction is None and e.tied is None:
-            self.apply(step, total)
+    def step(self, held: HeldStage, step: int) -> None:
+        """The STEP action of one held stage: its gradient is complete; average it over the
+        replicas and sum the tied weight's with the other stage's (in the background), or
+        apply the update now."""
+        held.point.take_gradients(step)
+        total = self.losses.pop(step, None) if held.last else None
+        if held.reduction is None and held.tied is None:
+            self.apply(held, step, total)
             return
         # the same order of collectives on every rank: tied first (it spans both groups' ranks)
-        tied = e.tied.start(step, [e.store.params[e.tied_name]], None) if e.tied else None
+        tied = (
+            held.tied.start(step, [held.store.params[held.tied_name]], None) if held.tied else None
+        )
         replicas = None
-        if e.reduction is not None:
+        if held.reduction is not None:
             loss = None if total is None else total.reshape(1)
-            replicas = e.reduction.start(step, e.reduced, loss)
-        self.pending = _PendingUpdate(step, total, replicas, tied)
+            replicas = held.reduction.start(step, held.reduced, loss)
+        self.pending[held.index] = _PendingUpdate(step, total, replicas, tied)
 
     def finish_update_before(self, action: Action) -> None:
-        """Finish a pending update before ``action`` if it needs the version the update makes
-        (or is the next STEP, which reuses the gradients' place)."""
-        if self.pending is None or not (action.kind.is_compute or action.kind is ActionKind.STEP):
-            return
-        if action.kind is ActionKind.STEP or action.version > self.pending.step:
-            self.finish_update()
+        """Finish pending updates before ``action`` where it needs the version they make (or is
+        the next STEP of their stage, which reuses the gradients' place).
 
-    def finish_update(self) -> None:
-        if self.pending is None:
+        A process's stages move to a new version together: a compute action on any of them that
+        needs a newer version finishes every pending update. An interleaved process would
+        otherwise keep its last stage's update (and so its step's statistics, which the first
+        stage waits for) pending behind forwards that wait for the first stage.
+        """
+        if not (action.kind.is_compute or action.kind is ActionKind.STEP):
             return
-        e, pending, self.pending = self.e, self.pending, None
+        for stage, pending in list(self.pending.items()):
+            next_step = action.kind is ActionKind.STEP and action.stage == stage
+            if next_step or (action.kind.is_compute and action.version > pending.step):
+                self.finish_update(stage)
+
+    def finish_updates(self) -> None:
+        """Finish every pending update (the end of a segment), in the order they started."""
+        for stage in list(self.pending):
+            self.finish_update(stage)
+
+    def finish_update(self, stage: int) -> None:
+        pending, held = self.pending.pop(stage), self.e.held[stage]
         with label(f"STEP v{pending.step + 1} update"):
             total = pending.total
             if pending.replicas is not None:
-                total = e.reduction.finish(pending.replicas, e.reduced)
+                total = held.reduction.finish(pending.replicas, held.reduced)
             if pending.tied is not None:
-                e.tied.finish(pending.tied, [e.store.params[e.tied_name]])
-            self.apply(pending.step, total)
+                held.tied.finish(pending.tied, [held.store.params[held.tied_name]])
+            self.apply(held, pending.step, total)
 
-    def apply(self, step: int, total: torch.Tensor | None) -> None:
-        """Clip, step the optimizer and report the step's statistics to the first stage."""
+    def apply(self, held: HeldStage, step: int, total: torch.Tensor | None) -> None:
+        """Clip, step the optimizer; once every stage of this process has, report the step's
+        statistics to the first stage."""
         e = self.e
-        norm, ok, lr = e.apply_step(step)
+        norm, ok, lr = held.apply_step(step)
         loss = math.nan if total is None else total.item() / e.micro_per_step
-        report = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
+        reports = self.reports.setdefault(step, {})
+        reports[held.index] = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
+        if len(reports) < len(e.held):
+            return
+        del self.reports[step]
+        e.step = step + 1
+        mine = torch.stack([reports[stage] for stage in e.layout.stages])
         if e.layout.is_first_stage:
-            self.gather_stats(step, report, lr)
+            self.gather_stats(step, mine, lr)
         else:
-            e.messenger.send(report.to(e.device), 0, Channel.STATS, step)
+            e.messenger.send(mine.to(e.device), 0, Channel.STATS, step)
         e.profiler.after_step(step)
 
-    def gather_stats(self, step: int, report: torch.Tensor, lr: float) -> None:
+    def gather_stats(self, step: int, mine: torch.Tensor, lr: float) -> None:
         """The first stage: every stage's statistics of ``step``, to ``on_step``."""
         e = self.e
-        reports = [report]
-        for peer in range(1, e.layout.pp):
-            reports.append(
+        by_rank = [mine]
+        for peer in range(1, e.layout.pp):  # the process of model stage `peer` (chunk 0)
+            by_rank.append(
                 e.messenger.recv(
-                    (3,),
+                    (e.layout.chunks, 3),
                     torch.float64,
                     e.device,
                     peer,
@@ -619,6 +646,11 @@ class _Segment:
                     f"the statistics of step {step}",
                 ).cpu()
             )
+        # model stage c·P + r is row c of pipeline rank r's report
+        reports = [
+            by_rank[s % e.layout.pp][e.layout.chunk_of(s)]
+            for s in range(len(by_rank) * e.layout.chunks)
+        ]
         self.on_step(
             StepStats(
                 step=step,

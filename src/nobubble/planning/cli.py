@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 from nobubble.config import ConfigError
+from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
 from nobubble.planning.predict import Plan, Prediction, predict
 from nobubble.planning.shapes import PLANNING_SHAPES
@@ -46,6 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-limit-gb", type=float, help="memory per GPU to fit in (default: the GPU's)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--grid",
+        metavar="P,P,...",
+        help="instead of one shape: 2bw against the best synchronous schedule for each of these "
+        "stage counts P, with M = r·P for each r of --grid-ratios (--stages and "
+        "--microbatches are then ignored)",
+    )
+    parser.add_argument(
+        "--grid-ratios", default="1,2,4,8", metavar="R,R,...", help="M/P ratios (default 1,2,4,8)"
+    )
+    parser.add_argument("--png", type=Path, help="with --grid: also draw it into this PNG")
 
 
 def _link(link: Link, gbps: float | None, latency_us: float | None) -> Link:
@@ -128,8 +141,36 @@ def table(results: list[Prediction], limit_gb: float) -> str:
     return "\n".join(lines)
 
 
+def _numbers(flag: str, text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
+
+
+def run_grid(args: argparse.Namespace, plan: Plan) -> int:
+    points = grid(plan, _numbers("--grid", args.grid), _numbers("--grid-ratios", args.grid_ratios))
+    title = (
+        f"{args.preset}: {plan.device.name} at MFU {plan.mfu:g}, p2p {plan.p2p.gb_per_s:g} GB/s, "
+        f"dp {plan.dp}"
+    )
+    print(title)
+    print(grid_table(points))
+    for pt in points:
+        for name, why in pt.skipped.items():
+            print(f"P={pt.stages} M={pt.microbatches}: {name} not predicted: {why}")
+    if args.png:
+        grid_png(points, args.png, title)
+        print(f"wrote {args.png}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
+    if args.grid:
+        return run_grid(args, plan)
+    if args.png:
+        raise ConfigError("--png draws a --grid; add --grid P,P,...")
     limit = args.memory_limit_gb or plan.device.memory_gb
     results, skipped = predictions(plan)
     fitting = [p for p in results if p.peak_memory_gb <= limit]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from nobubble.model import PRESETS, ModelConfig
 
-# Published config.json shapes of meta-llama/Llama-3.2-1B and meta-llama/Meta-Llama-3-8B.
+# Published config.json shapes of meta-llama/Llama-3.2-1B, Meta-Llama-3-8B, Meta-Llama-3-70B and
+# Llama-3.1-405B (the last two as in "The Llama 3 Herd of Models", 2024, Table 3).
 PLANNING_SHAPES: dict[str, ModelConfig] = {
     **PRESETS,
     "llama3.2-1b": ModelConfig(
@@ -17,6 +18,14 @@ PLANNING_SHAPES: dict[str, ModelConfig] = {
     ),
     "llama3-8b": ModelConfig(
         d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, max_seq_len=8192,
+        vocab_size=128256,
+    ),
+    "llama3-70b": ModelConfig(
+        d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, max_seq_len=8192,
+        vocab_size=128256,
+    ),
+    "llama3-405b": ModelConfig(
+        d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, d_ff=53248, max_seq_len=8192,
         vocab_size=128256,
     ),
 }  # fmt: skip

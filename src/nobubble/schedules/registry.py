@@ -92,7 +92,6 @@ class ScheduleSpec:
     activation_rule: Callable[[int, int, int, int], int] = _one_f_one_b_activations
     default_chunks: int = 1  # stages per rank; above 1, the schedule takes any number >= 2
     split_backward: bool = False  # backwards are I + W (zero-bubble), not B
-    trainable: bool = True  # both training backends run it (else: `nobubble schedule` only)
 
     def delay(self, stage: int, stages: int) -> int:
         """How many versions older than the weights it updates a stage's applied gradient is."""
@@ -170,7 +169,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             microbatch_rule=_multiple_of_stages,
             activation_rule=_interleaved_activations,
             default_chunks=2,
-            trainable=False,
         ),
         ScheduleSpec(
             "zb-h1",

@@ -1,0 +1,91 @@
+"""One model stage a pipeline process holds: its slice of the model and everything per stage.
+
+A process holds one stage, or several with an interleaved schedule (``chunks``; the layout says
+which). Each held stage keeps what the simulator keeps per stage, so both backends compute the
+same: its weight versions (:class:`nobubble.versions.VersionStore`), its optimizer and delay
+correction, the point its forwards run at (:class:`nobubble.prediction.StepWeights`), its own
+gradient clipping, and the all-reduces of its gradient (data-parallel replicas; the tied weight's
+two copies).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nobubble.config import TrainConfig, chosen_corrections
+from nobubble.delay import stage_delays
+from nobubble.layout import ParallelLayout
+from nobubble.model import TIED_WEIGHT, ModelConfig, Stage, StageSpec, holds_tied_copy
+from nobubble.optim import build_optimizer
+from nobubble.pipeline.replicas import ReplicaReduction
+from nobubble.pipeline.split_backward import SplitBackward
+from nobubble.prediction import StepWeights
+from nobubble.stage_options import apply_stage_options
+from nobubble.update import optimizer_step, prepare_step
+from nobubble.versions import VersionStore
+
+
+class HeldStage:
+    """Model stage ``index`` (partitioned as ``spec``) on this process. ``replicas``: the process
+    group of its data-parallel replicas (None without); ``tied``: the group of the first and last
+    stages' processes (None unless the head is tied to the embedding over several stages)."""
+
+    def __init__(
+        self,
+        index: int,
+        spec: StageSpec,
+        cfg: TrainConfig,
+        mc: ModelConfig,
+        device: torch.device,
+        layout: ParallelLayout,
+        replicas: dist.ProcessGroup | None,
+        tied: dist.ProcessGroup | None,
+        split: bool,
+    ) -> None:
+        self.index, self.spec, self.cfg = index, spec, cfg
+        self.first, self.last = spec.has_embed, spec.has_head
+        self.module = Stage(mc, spec, cfg.seed).to(device)
+        apply_stage_options(self.module, cfg, device)
+        self.split = SplitBackward(self.module) if split else None  # zero-bubble I/W
+        params = dict(self.module.named_parameters())
+        self.store = VersionStore(params)
+        self.optimizer = build_optimizer(list(params.items()), cfg)
+        self.delay = stage_delays(cfg.schedule, cfg.model_stages())[index]
+        self.point = StepWeights(self.store, self.delay, "predict" in chosen_corrections(cfg))
+        name = layout.name(index)
+        self.reduction = (
+            ReplicaReduction(replicas, layout.dp, cfg.p2p_timeout_s, name)
+            if layout.dp > 1
+            else None
+        )
+        # tied embeddings split over stages: this stage's copy, summed with the other's
+        self.tied_name = TIED_WEIGHT if holds_tied_copy(mc, spec) else None
+        self.tied = (  # sum over first + last, mean over replicas: the dp divisor
+            ReplicaReduction(
+                tied,
+                layout.dp,
+                cfg.p2p_timeout_s,
+                name,
+                "the all-reduce of the tied weight with the other stages that hold a copy",
+                "tied all-reduce",
+            )
+            if self.tied_name and tied is not None
+            else None
+        )
+        self.reduced = [p for n, p in params.items() if n != self.tied_name]  # the dp bucket
+        self.versions_peak = 1
+
+    def apply_step(self, step: int) -> tuple[float, bool, float]:
+        """The rest of the STEP action, once the gradient is complete (and averaged over the
+        replicas): clip -> optimizer on the newest version. Returns (gradient norm, whether the
+        update went ahead in full, learning rate)."""
+        norm, ok = prepare_step(
+            self.store, step, self.point.history, self.cfg.grad_clip, self.tied_name, self.first
+        )
+        self.versions_peak = max(self.versions_peak, self.point.copies())
+        lr = optimizer_step(self.optimizer, step, self.cfg)
+        return norm, ok, lr
+
+    def param_mb(self) -> float:
+        return sum(p.numel() * p.element_size() for p in self.store.params.values()) / 2**20

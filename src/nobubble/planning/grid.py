@@ -1,0 +1,127 @@
+"""``nobubble plan --grid``: 2bw against the best synchronous schedule over pipeline shapes.
+
+For every P in a list and M = r·P for every ratio r, the cost model predicts 2bw and every
+synchronous schedule that can run the shape, and reports 2bw's throughput over the fastest of
+them at any memory, and over the fastest that needs no more peak memory per GPU than 2bw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from nobubble.config import ConfigError
+from nobubble.planning.predict import Plan, Prediction, predict
+from nobubble.schedules import SCHEDULE_NAMES, schedule_spec
+
+ASYNC = "2bw"
+
+
+def synchronous_schedules() -> list[str]:
+    return [name for name in SCHEDULE_NAMES if schedule_spec(name).flushes]
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    stages: int
+    microbatches: int
+    async_run: Prediction
+    sync_runs: list[Prediction]  # fastest first
+    skipped: dict[str, str]
+
+    @property
+    def best_sync(self) -> Prediction:
+        return self.sync_runs[0]
+
+    @property
+    def best_sync_within_memory(self) -> Prediction | None:
+        """The fastest synchronous schedule whose peak memory is at most 2bw's."""
+        limit = self.async_run.peak_memory_gb
+        return next((p for p in self.sync_runs if p.peak_memory_gb <= limit), None)
+
+
+def grid_point(plan: Plan) -> GridPoint:
+    """2bw and every synchronous schedule that can run ``plan``'s shape."""
+    runs, skipped = [], {}
+    for name in synchronous_schedules():
+        spec = schedule_spec(name)
+        chunks = plan.chunks if spec.interleaved else 1
+        problem = spec.microbatch_problem(plan.stages, plan.microbatches)
+        if plan.model.n_layers < plan.stages * chunks:
+            problem = f"{plan.model.n_layers} blocks cannot fill {plan.stages * chunks} stages"
+        if problem:
+            skipped[name] = problem
+        else:
+            runs.append(predict(plan, name))
+    runs.sort(key=lambda p: p.step_s)
+    return GridPoint(plan.stages, plan.microbatches, predict(plan, ASYNC), runs, skipped)
+
+
+def grid(plan: Plan, stages: list[int], ratios: list[int]) -> list[GridPoint]:
+    """Every (P, M = r·P) of ``stages`` x ``ratios``, the other figures as ``plan``'s."""
+    if any(p < 2 for p in stages) or any(r < 1 for r in ratios):
+        raise ConfigError("--grid: stages must be at least 2 and ratios M/P at least 1")
+    too_deep = [p for p in stages if p > plan.model.n_layers]
+    if too_deep:
+        raise ConfigError(
+            f"--grid: the model has {plan.model.n_layers} blocks, too few for P = "
+            f"{', '.join(map(str, too_deep))}; choose fewer stages or a deeper preset"
+        )
+    return [
+        grid_point(dataclasses.replace(plan, stages=p, microbatches=r * p))
+        for p in stages
+        for r in ratios
+    ]
+
+
+def grid_table(points: list[GridPoint]) -> str:
+    lines = [
+        "| P | M | 2bw tokens/s | best sync | 2bw / best sync | best sync at <= 2bw's memory "
+        "| 2bw / it | 2bw GB | bubble of best sync |",
+        "|---:|---:|---:|---|---:|---|---:|---:|---:|",
+    ]
+    for pt in points:
+        a, best, fit = pt.async_run, pt.best_sync, pt.best_sync_within_memory
+        fit_name, fit_ratio = "none", "n/a"
+        if fit is not None:
+            fit_name, fit_ratio = fit.schedule, f"{a.tokens_per_s / fit.tokens_per_s:.3f}x"
+        lines.append(
+            f"| {pt.stages} | {pt.microbatches} | {a.tokens_per_s:,.0f} | {best.schedule} "
+            f"| {a.tokens_per_s / best.tokens_per_s:.3f}x | {fit_name} | {fit_ratio} "
+            f"| {a.peak_memory_gb:.0f} | {best.bubble:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def grid_png(points: list[GridPoint], path: Path, title: str) -> None:
+    """2bw / best sync against M/P, one line per P (solid: any memory; dashed: at most 2bw's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.add_subplot()
+    for p in sorted({pt.stages for pt in points}):
+        row = [pt for pt in points if pt.stages == p]
+        ratios = [pt.microbatches / p for pt in row]
+        anyway = [pt.async_run.tokens_per_s / pt.best_sync.tokens_per_s for pt in row]
+        (line,) = ax.plot(ratios, anyway, marker="o", label=f"P = {p}")
+        fits = [
+            (r, pt.async_run.tokens_per_s / pt.best_sync_within_memory.tokens_per_s)
+            for r, pt in zip(ratios, row, strict=True)
+            if pt.best_sync_within_memory is not None
+        ]
+        if fits:
+            ax.plot(*zip(*fits, strict=True), linestyle="--", color=line.get_color())
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({pt.microbatches / pt.stages for pt in points})
+    ax.set_xticks(ticks, labels=[f"{t:g}" for t in ticks])
+    ax.set_xlabel("microbatches per step / stages (M / P)")
+    ax.set_ylabel("2bw tokens/s ÷ best synchronous")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, title="solid: any memory; dashed: ≤ 2bw's", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
