@@ -27,6 +27,7 @@ once: torch's schedules flush every step, so the all-reduce sits on the critical
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -134,7 +135,7 @@ class TorchStageRunner:
         stages = cfg.stages * chunks
         layers = cfg.stage_layers if chunks == 1 else None  # stage_layers lists P stages
         specs = partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, layers)
-        indices = [c * cfg.stages + layout.pp_rank for c in range(chunks)]  # this rank's stages
+        indices = dataclasses.replace(layout, chunks=chunks).stages  # the layout's placement
         self.modules = [Stage(mc, specs[i], cfg.seed).to(device) for i in indices]
         self.module = torch.nn.ModuleList(self.modules)  # for the parameter counts below
         named = [(n, p) for m in self.modules for n, p in m.named_parameters()]
