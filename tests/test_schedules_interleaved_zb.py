@@ -3,6 +3,7 @@ give, and the IR pieces they need (several stages per rank, I/W backwards, in-me
 
 import pytest
 
+from nobubble.layout import ParallelLayout
 from nobubble.schedules import (
     Action,
     ActionKind,
@@ -129,3 +130,13 @@ def test_split_rank_times_share_a_rank_equally_between_its_stages():
     actions = generate("interleaved-1f1b", 2, 2, 1, chunks=2)
     assert split_rank_times([1.0, 3.0], actions) == [0.5, 1.5, 0.5, 1.5]
     assert split_rank_times(2, generate("1f1b", 2, 2, 1)) == [2.0, 2.0]
+
+
+@pytest.mark.parametrize(("ranks", "chunks"), [(2, 2), (3, 2), (2, 3), (4, 4)])
+def test_the_generator_places_stages_where_the_runtime_layout_does(ranks, chunks):
+    """The IR's placement (read off its lists) and the training layout's are one rule."""
+    placed = stage_ranks(generate("interleaved-1f1b", ranks, ranks, 1, chunks))
+    layout = ParallelLayout(ranks, chunks=chunks)
+    assert placed == {stage: layout.rank_of(stage) for stage in range(ranks * chunks)}
+    for rank in range(ranks):
+        assert layout.stages_of(rank) == tuple(sorted(s for s, r in placed.items() if r == rank))
