@@ -105,20 +105,21 @@ class StepProfiler:
     """Traces the 1-based steps ``steps`` of one process; the engine calls :meth:`before_step`
     before its first action of every step and :meth:`after_step` once a step's update is
     applied (both with the 0-based step index). ``warmup``: the step before ``steps`` runs in
-    this session, so warm the profiler up during it. ``stage``: under torchrun, this process's
+    this session, so warm the profiler up during it. ``layout``: under torchrun, this process's
     layout (its trace is ``trace-steps{A}-{B}-stage{S}-replica{R}.json``, its process on the
-    timeline "stage S replica R"); None in one process (``trace-steps{A}-{B}.json``)."""
+    timeline "stage S replica R"; S lists the model stages it holds, ``0+2`` when interleaved);
+    None in one process (``trace-steps{A}-{B}.json``)."""
 
     def __init__(
         self,
         steps: range,
         folder: Path,
         device: torch.device,
-        stage: ParallelLayout | None = None,
+        layout: ParallelLayout | None = None,
         warmup: bool = False,
         announce: bool = True,
     ) -> None:
-        self.steps, self.folder, self.stage = steps, folder, stage
+        self.steps, self.folder, self.layout = steps, folder, layout
         self.warmup, self.announce = warmup, announce
         activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -169,10 +170,13 @@ class StepProfiler:
         first, last = self.steps.start, self.last_done
         stem = f"trace-steps{first}-{last}"
         process, order = "nobubble (every stage)", 0
-        if self.stage is not None:
-            stem += f"-stage{self.stage.stage}-replica{self.stage.replica}"
-            process = f"stage {self.stage.stage} replica {self.stage.replica}"
-            order = self.stage.rank
+        if self.layout is not None:
+            stages, replica = self.layout.stages, self.layout.replica
+            stem += f"-stage{'+'.join(map(str, stages))}-replica{replica}"
+            process = (
+                f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))} replica {replica}"
+            )
+            order = self.layout.rank
         self.folder.mkdir(parents=True, exist_ok=True)
         path = free_path(self.folder, stem)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -253,7 +257,7 @@ def profiled(cfg: TrainConfig, run_dir: Path, engine: Engine, pipeline: bool) ->
         steps,
         run_dir / PROFILE_DIR,
         engine.device,
-        stage=layout if pipeline else None,
+        layout=layout if pipeline else None,
         warmup=steps.start - 1 > engine.step,
         announce=leader,
     )
