@@ -10,9 +10,9 @@ from pathlib import Path
 from nobubble.config import ConfigError
 from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
-from nobubble.planning.predict import Plan, Prediction, predict
+from nobubble.planning.predict import Plan, Prediction, predict, shape_problem
 from nobubble.planning.shapes import PLANNING_SHAPES
-from nobubble.schedules import SCHEDULE_NAMES, schedule_spec
+from nobubble.schedules import SCHEDULE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,13 +112,7 @@ def predictions(plan: Plan) -> tuple[list[Prediction], dict[str, str]]:
     """Every schedule's prediction, fastest first, and why the others cannot run this shape."""
     done, skipped = [], {}
     for name in SCHEDULE_NAMES:
-        spec = schedule_spec(name)
-        chunks = plan.chunks if spec.interleaved else 1
-        problem = spec.microbatch_problem(plan.stages, plan.microbatches) or (
-            spec.chunk_problem(chunks)
-        )
-        if plan.model.n_layers < plan.stages * chunks:
-            problem = f"{plan.model.n_layers} blocks cannot fill {plan.stages * chunks} stages"
+        problem = shape_problem(plan, name)
         if problem:
             skipped[name] = problem
             continue

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nobubble.config import ConfigError
-from nobubble.planning.predict import Plan, Prediction, predict
+from nobubble.planning.predict import Plan, Prediction, predict, shape_problem
 from nobubble.schedules import SCHEDULE_NAMES, schedule_spec
 
 ASYNC = "2bw"
@@ -45,11 +45,7 @@ def grid_point(plan: Plan) -> GridPoint:
     """2bw and every synchronous schedule that can run ``plan``'s shape."""
     runs, skipped = [], {}
     for name in synchronous_schedules():
-        spec = schedule_spec(name)
-        chunks = plan.chunks if spec.interleaved else 1
-        problem = spec.microbatch_problem(plan.stages, plan.microbatches)
-        if plan.model.n_layers < plan.stages * chunks:
-            problem = f"{plan.model.n_layers} blocks cannot fill {plan.stages * chunks} stages"
+        problem = shape_problem(plan, name)
         if problem:
             skipped[name] = problem
         else:

@@ -54,6 +54,17 @@ class Prediction:
         return max(self.memory_gb)
 
 
+def shape_problem(plan: Plan, schedule: str) -> str | None:
+    """Why ``schedule`` cannot run ``plan``'s shape (its M rule, its stages per rank, too few
+    blocks for its model stages), or None."""
+    spec = schedule_spec(schedule)
+    chunks = plan.chunks if spec.interleaved else 1
+    problem = spec.microbatch_problem(plan.stages, plan.microbatches) or spec.chunk_problem(chunks)
+    if problem is None and plan.model.n_layers < plan.stages * chunks:
+        problem = f"{plan.model.n_layers} blocks cannot fill {plan.stages * chunks} stages"
+    return problem
+
+
 def predict(plan: Plan, schedule: str) -> Prediction:
     spec = schedule_spec(schedule)
     chunks = plan.chunks if spec.interleaved else 1
