@@ -88,6 +88,32 @@ class TrainConfig:
     tie_embeddings: bool | None = _opt(None, "override whether the head shares the embedding")
     rope_theta: float | None = _opt(None, "override the preset's RoPE base", POSITIVE)
     norm_eps: float | None = _opt(None, "override the RMSNorm epsilon (default 1e-5)", POSITIVE)
+    moe_experts: int | None = _opt(
+        None, "routed experts of each MoE block (0: dense model; docs/moe.md)", NON_NEGATIVE
+    )
+    moe_top_k: int | None = _opt(None, "experts each token is routed to", POSITIVE)
+    moe_shared_experts: int | None = _opt(
+        None, "shared experts every token passes through, besides its routed ones", NON_NEGATIVE
+    )
+    moe_d_ff: int | None = _opt(None, "each expert's hidden size (default d_ff)", POSITIVE)
+    moe_layers: list[int] | None = _opt(
+        None, "the blocks that are MoE, e.g. [1, 2, 3] (default: every block)", NON_NEGATIVE
+    )
+    moe_capacity_factor: float | None = _opt(
+        None,
+        "an expert takes at most this factor times its even share of a microbatch's "
+        "assignments, dropping the rest (0: dropless, the default)",
+        NON_NEGATIVE,
+    )
+    moe_aux_coef: float | None = _opt(
+        None, "coefficient of the load-balancing auxiliary loss (default 0.01)", NON_NEGATIVE
+    )
+    moe_bias_rate: float | None = _opt(
+        None,
+        "auxiliary-loss-free balancing: the per-step update of the routing bias (DeepSeek-V3 "
+        "used 0.001; default 0, off)",
+        NON_NEGATIVE,
+    )
     vocab_size: int | None = _opt(
         None,
         "override the vocabulary size (default: the preset's, else the tokenizer's rounded up to "

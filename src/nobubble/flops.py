@@ -5,7 +5,8 @@ key/value heads of size d_h = d/H, MLP width f, vocabulary V) and a training seq
 tokens, one token's forward pass multiplies:
 
 - per block, attention projections: q and o are d x (H d_h), k and v are d x (H_kv d_h);
-  SwiGLU: gate, up and down, three d x f matrices;
+  SwiGLU: gate, up and down, three d x f matrices (an MoE block: its router, d x E, and the
+  SwiGLUs of the k experts a token is routed to and of the shared experts: active weights);
 - the scores and the weighted sum of attention: each query head (GQA shares key/value heads,
   it does not shrink this) takes a dot product of length d_h with T keys, and sums T values of
   size d_h: 2 T H d_h multiply-adds;
@@ -52,10 +53,13 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, str, float], ...] = (
 
 def matmul_weights(mc: ModelConfig) -> int:
     """N: the weights a token's activations are multiplied by (the embedding table excluded,
-    the head included, tied or not)."""
-    d, dh, f = mc.d_model, mc.head_dim, mc.d_ff
-    per_block = 2 * d * dh * (mc.n_heads + mc.n_kv_heads) + 3 * d * f
-    return mc.n_layers * per_block + d * mc.vocab_size
+    the head included, tied or not); in an MoE block, its router and the experts it is routed
+    to (k of them, and the shared ones), not every expert."""
+    d, dh = mc.d_model, mc.head_dim
+    attention = 2 * d * dh * (mc.n_heads + mc.n_kv_heads)
+    moe_mlp = 3 * d * mc.expert_width * (mc.moe_top_k + mc.moe_shared_experts) + d * mc.moe_experts
+    mlps = sum(moe_mlp if mc.is_moe(i) else 3 * d * mc.d_ff for i in range(mc.n_layers))
+    return mc.n_layers * attention + mlps + d * mc.vocab_size
 
 
 def flops_per_token(mc: ModelConfig, seq_len: int) -> int:

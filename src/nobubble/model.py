@@ -27,6 +27,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from nobubble.config import ConfigError, TrainConfig
+from nobubble.moe import BALANCE_BIAS, MoE, Routing
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,30 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # mixture of experts (nobubble.moe); moe_experts = 0: every block is dense
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_shared_experts: int = 0
+    moe_d_ff: int | None = None  # each expert's width (default d_ff)
+    moe_layers: tuple[int, ...] | None = None  # the MoE blocks (default: every block)
+    moe_capacity_factor: float = 0.0  # 0: dropless
+    moe_aux_coef: float = 0.01
+    moe_bias_rate: float = 0.0  # auxiliary-loss-free bias balancing; 0: off
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_d_ff or self.d_ff
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block`` has routed experts in place of its dense SwiGLU."""
+        return self.moe_experts > 0 and (self.moe_layers is None or block in self.moe_layers)
+
+    def moe_blocks(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe(i)]
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -63,10 +84,25 @@ PRESETS: dict[str, ModelConfig] = {
         d_model=960, n_layers=32, n_heads=15, n_kv_heads=5, d_ff=2560, max_seq_len=2048,
         vocab_size=49152, tie_embeddings=True, rope_theta=1e5,
     ),
+    # The CPU study's dense model (docs/results.md) with 8 experts of half its MLP width, 2 per
+    # token: the same active parameters a token sees, 4x the MLP parameters.
+    "cpu-moe": ModelConfig(
+        d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=352, max_seq_len=512,
+        moe_experts=8, moe_top_k=2, moe_d_ff=176,
+    ),
+    # SmolLM2-360M's shape (the study's dense model) with 16 experts of half its MLP width, 2 per
+    # token: the dense model's active size, about 2B parameters in all.
+    "moe-2b": ModelConfig(
+        d_model=960, n_layers=32, n_heads=15, n_kv_heads=5, d_ff=2560, max_seq_len=2048,
+        vocab_size=49152, tie_embeddings=True, rope_theta=1e5,
+        moe_experts=16, moe_top_k=2, moe_d_ff=1280,
+    ),
 }  # fmt: skip
 
 _OVERRIDES = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
 _OVERRIDES += ("tie_embeddings", "rope_theta", "norm_eps", "vocab_size")
+_OVERRIDES += ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_d_ff", "moe_layers")
+_OVERRIDES += ("moe_capacity_factor", "moe_aux_coef", "moe_bias_rate")
 
 
 def model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
@@ -75,6 +111,8 @@ def model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
         raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}")
     mc = PRESETS[cfg.preset]
     changes = {k: getattr(cfg, k) for k in _OVERRIDES if getattr(cfg, k) is not None}
+    if "moe_layers" in changes:
+        changes["moe_layers"] = tuple(changes["moe_layers"])
     mc = dataclasses.replace(mc, **changes)
     vocab = mc.vocab_size or 64 * math.ceil(tokenizer_vocab / 64)
     if vocab < tokenizer_vocab:
@@ -92,12 +130,36 @@ def model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
         )
     if mc.head_dim % 2:
         raise ConfigError(f"head dimension {mc.head_dim} must be even for RoPE")
+    check_moe(mc)
+    if mc.moe_experts and cfg.init_from:
+        raise ConfigError(
+            "init_from loads a Hugging Face Llama (dense) checkpoint, and this model has "
+            "mixture-of-experts blocks (moe_experts > 0); remove init_from or set moe_experts=0"
+        )
     if cfg.seq_len > mc.max_seq_len:
         raise ConfigError(
             f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mc.max_seq_len}; "
             f"lower seq_len or set max_seq_len={cfg.seq_len}"
         )
     return mc
+
+
+def check_moe(mc: ModelConfig) -> None:
+    """The mixture-of-experts keys make sense together (or are unused)."""
+    if mc.moe_experts == 0:
+        return
+    if mc.moe_top_k > mc.moe_experts:
+        raise ConfigError(
+            f"moe_top_k={mc.moe_top_k} routes each token to more experts than the "
+            f"{mc.moe_experts} there are (moe_experts); lower moe_top_k or add experts"
+        )
+    outside = [i for i in mc.moe_layers or () if not 0 <= i < mc.n_layers]
+    if outside:
+        raise ConfigError(
+            f"moe_layers lists blocks {outside} but the model has blocks 0..{mc.n_layers - 1}"
+        )
+    if mc.moe_layers is not None and not mc.moe_layers:
+        raise ConfigError("moe_layers is empty; list the MoE blocks or set moe_experts=0")
 
 
 class RMSNorm(nn.Module):
@@ -144,23 +206,30 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, mc: ModelConfig) -> None:
+    def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(mc.d_model, mc.d_ff, bias=False)
-        self.w_up = nn.Linear(mc.d_model, mc.d_ff, bias=False)
-        self.w_down = nn.Linear(mc.d_ff, mc.d_model, bias=False)
+        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
+        self.w_up = nn.Linear(d_model, d_ff, bias=False)
+        self.w_down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, mc: ModelConfig) -> None:
+    """Attention and a feed-forward layer: a dense SwiGLU, or routed experts (:mod:`nobubble.moe`)
+    if ``moe`` (their shared experts, if any, one SwiGLU as wide as all of them)."""
+
+    def __init__(self, mc: ModelConfig, moe: bool = False) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(mc.d_model, mc.norm_eps)
         self.attn = Attention(mc)
         self.mlp_norm = RMSNorm(mc.d_model, mc.norm_eps)
-        self.mlp = SwiGLU(mc)
+        if moe:
+            width = mc.moe_shared_experts * mc.expert_width
+            self.mlp = MoE(mc, SwiGLU(mc.d_model, width) if width else None)
+        else:
+            self.mlp = SwiGLU(mc.d_model, mc.d_ff)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -208,7 +277,7 @@ class Stage(nn.Module):
         self.mc, self.spec = mc, spec
         holds_embedding = spec.has_embed or (mc.tie_embeddings and spec.has_head)
         self.embed = nn.Embedding(mc.vocab_size, mc.d_model) if holds_embedding else None
-        self.blocks = nn.ModuleDict({str(i): Block(mc) for i in spec.blocks})
+        self.blocks = nn.ModuleDict({str(i): Block(mc, mc.is_moe(i)) for i in spec.blocks})
         self.norm = RMSNorm(mc.d_model, mc.norm_eps) if spec.has_head else None
         self.head = nn.Linear(mc.d_model, mc.vocab_size, bias=False) if spec.has_head else None
         if mc.tie_embeddings and self.head is not None:
@@ -217,6 +286,17 @@ class Stage(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         init_parameters(self, seed)
+
+    def moe_layers(self) -> list[MoE]:
+        """The routed-experts layers of this stage, in block order."""
+        return [b.mlp for b in self.blocks.values() if isinstance(b.mlp, MoE)]
+
+    def take_routing(self) -> Routing:
+        """The routing statistics summed since the last call, by MoE block (:mod:`nobubble.moe`;
+        empty if the stage has none)."""
+        return {
+            int(i): b.mlp.take_routing() for i, b in self.blocks.items() if isinstance(b.mlp, MoE)
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.has_embed:
@@ -255,9 +335,11 @@ def init_parameters(module: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in module.named_parameters():
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if p.ndim == 1:
+            if name.endswith(BALANCE_BIAS):
+                p.zero_()
+            elif p.ndim == 1:
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w_down.weight")):
+            elif name.endswith(("wo.weight", "w_down.weight", "mlp.w_down")):
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.02 / math.sqrt(2 * n_layers)))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)

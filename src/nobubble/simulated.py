@@ -39,6 +39,7 @@ from nobubble.model import (
     lm_loss,
     partition,
 )
+from nobubble.moe import Routing, balance_routers
 from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.prediction import StepWeights
@@ -81,6 +82,10 @@ class DelayedTrainer:
     ``micro_loss(weights, microbatch)`` returns the mean loss of one microbatch computed with
     ``weights``; the step's gradient is the mean over its microbatches.
 
+    ``routing()`` takes the MoE routing sums of the step's microbatches; the balance biases among
+    the stages' parameters take their update from them at ``balance_rate``
+    (:func:`nobubble.moe.balance_routers`).
+
     ``tied = (name, use)``: the first and the last stage both hold a parameter ``name``, copies
     of one tied weight; the optimizer holds the first stage's. ``micro_loss`` finds the last
     stage's copy under ``use``. Both copies get the sum of their gradients and the same update
@@ -98,8 +103,11 @@ class DelayedTrainer:
         micro_loss: MicroLoss,
         cfg: TrainConfig,
         tied: tuple[str, str] | None = None,
+        routing: Callable[[], Routing] = dict,
+        balance_rate: float = 0.0,
     ) -> None:
         self.stores = [VersionStore(params) for params in stage_params]
+        self.routing, self.balance_rate = routing, balance_rate
         predict = "predict" in chosen_corrections(cfg)
         self.points = [
             StepWeights(store, delay, predict)
@@ -137,6 +145,7 @@ class DelayedTrainer:
     def _update(self, t: int, loss: float) -> StepStats:
         """Step ``t``'s update, once its gradients are complete."""
         cfg = self.cfg
+        routing = self.routing()
         for point in self.points:
             point.take_gradients(t)
         if self.tied:
@@ -150,11 +159,12 @@ class DelayedTrainer:
             norms.append(norm)
             if not ok:
                 skipped.append(stage)
+            balance_routers(store.params, routing, self.balance_rate)
         lr = optimizer_step(self.optimizer, t, cfg)
         if self.tied:
             self._copy_tied_update()
         self.step += 1
-        return StepStats(t, loss, combined_norm(norms), lr, skipped)
+        return StepStats(t, loss, combined_norm(norms), lr, skipped, routing)
 
     def _uses(self, stage: int, weights: Weights) -> Weights:
         """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""
@@ -235,7 +245,16 @@ class SimulatedEngine:
         if self.split_tied:
             stage_params[-1][TIED_WEIGHT] = torch.nn.Parameter(params[TIED_WEIGHT].detach().clone())
             tied = (TIED_WEIGHT, TIED_HEAD_USE)
-        self.trainer = DelayedTrainer(stage_params, delays, optimizer, self.micro_loss, cfg, tied)
+        self.trainer = DelayedTrainer(
+            stage_params,
+            delays,
+            optimizer,
+            self.micro_loss,
+            cfg,
+            tied,
+            self.model.take_routing,
+            mc.moe_bias_rate,
+        )
 
     @property
     def step(self) -> int:

@@ -1,4 +1,4 @@
-"""The speed and memory options of a stage module: activation checkpointing and torch.compile.
+"""The options of a stage module: activation checkpointing, torch.compile, the MoE loss share.
 
 Both backends build their modules (the simulator's whole model, a pipeline rank's stage) and
 hand them here, so the two apply the options alike (docs/training.md, "Compile and activation
@@ -14,7 +14,8 @@ from nobubble.model import Stage
 
 
 def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -> None:
-    """Set ``module`` up as ``cfg`` asks: recompute block activations, compile its forward.
+    """Set ``module`` up as ``cfg`` asks: recompute block activations, compile its forward, and
+    give the auxiliary losses of its MoE layers a microbatch's share of the step's loss.
 
     Compiling compiles the module's call in place (``nn.Module.compile``): parameter names stay
     those of the model, and ``functional_call`` with any weight version runs the compiled code
@@ -22,6 +23,8 @@ def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -
     recompilation).
     """
     module.activation_checkpointing = cfg.activation_checkpointing
+    for layer in module.moe_layers():  # its auxiliary loss is scaled as the step's loss is
+        layer.loss_scale = 1 / cfg.microbatches
     if cfg.compile:
         check_compilable(device)
         module.compile()

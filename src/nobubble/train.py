@@ -37,6 +37,7 @@ from nobubble.flops import Utilization, utilization
 from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model import ModelConfig, model_config
+from nobubble.moe import routing_metrics
 from nobubble.optim.named_state import NamedStateError
 from nobubble.profiling import profiled
 from nobubble.resume import open_run, resume_command, tokenizer_digest
@@ -147,6 +148,8 @@ class StepLogger:
             record["mfu"] = mfu
         if stats.skipped_stages:
             record["skipped_stages"] = stats.skipped_stages
+        if stats.routing:
+            record.update(routing_metrics(stats.routing))
         self.pending = record
         if abort:
             self.flush()  # the step that ends the run is in metrics.jsonl too

@@ -1,7 +1,9 @@
 """Weight versions of one stage, shared by the simulator and the pipeline runtime.
 
 Every version is a set of independent leaf tensors that forwards and backwards run with (through
-``torch.func.functional_call``); gradients land on those leaves. The optimizer's parameters never
+``torch.func.functional_call``); gradients land on those leaves. A parameter that no optimizer
+steps (``requires_grad=False``, such as an MoE balance bias) is versioned alike, without
+gradients. The optimizer's parameters never
 take part in a forward: they alias the storage of the newest version, so an optimizer step updates
 that version in place. When an in-flight microbatch still needs the newest version, the step first
 copies it into a free buffer and points the parameters there ("a version switch is a pointer flip,
@@ -15,8 +17,8 @@ import torch
 Weights = dict[str, torch.Tensor]
 
 
-def _leaf(value: torch.Tensor) -> torch.Tensor:
-    return value.detach().clone().requires_grad_(True)
+def _leaf(value: torch.Tensor, trainable: bool) -> torch.Tensor:
+    return value.detach().clone().requires_grad_(trainable)
 
 
 class VersionStore:
@@ -31,7 +33,9 @@ class VersionStore:
 
     def adopt(self, version: int, values: Weights) -> None:
         """Hold a copy of ``values`` as ``version``; if it is the newest, the optimizer's too."""
-        weights = {n: _leaf(values[n].to(p.device)) for n, p in self.params.items()}
+        weights = {
+            n: _leaf(values[n].to(p.device), p.requires_grad) for n, p in self.params.items()
+        }
         self.versions[version] = weights
         if version >= self.newest:
             self.newest = version
@@ -81,7 +85,9 @@ class VersionStore:
         """A set of leaf buffers shaped like the parameters, to overwrite: a free one if any."""
         if self.free:
             return self.free.pop()
-        return {n: torch.empty_like(p).requires_grad_(True) for n, p in self.params.items()}
+        return {
+            n: torch.empty_like(p).requires_grad_(p.requires_grad) for n, p in self.params.items()
+        }
 
     def take(self, version: int) -> Weights:
         """Hand ``version``'s buffers over to the caller, who may overwrite them (it is no

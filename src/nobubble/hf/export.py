@@ -79,6 +79,11 @@ def export_hf(
         )
     tokenizer = load_tokenizer(run_dir)
     mc = model_config(cfg, tokenizer.vocab_size)
+    if mc.moe_experts:
+        raise ConfigError(
+            f"{run_dir} trained a mixture-of-experts model, and the export writes the Hugging Face "
+            "Llama format, which holds dense models only; nothing was written (docs/moe.md)"
+        )
     reader = CheckpointReader(checkpoint)
     chosen = resolve_version(reader, version, checkpoint)
     weights = _version_weights(reader, chosen)

@@ -14,6 +14,7 @@ import torch
 
 from nobubble.config import TrainConfig
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
+from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.routing import Kind, param_groups
 
 Groups = list[dict[str, Any]]
@@ -41,19 +42,22 @@ def _nadamw(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 def _muon(groups: Groups, cfg: TrainConfig) -> CompositeOptimizer:
-    """Muon on the hidden matrices, AdamW on embeddings, head and gains; same ``lr`` for both."""
+    """Muon on the hidden matrices and on every expert's matrix, AdamW on embeddings, head,
+    routers and gains; same ``lr`` for all."""
     hidden = [g for g in groups if g["kind"] == Kind.HIDDEN]
-    rest = [g for g in groups if g["kind"] != Kind.HIDDEN]
+    experts = [g for g in groups if g["kind"] == Kind.EXPERT]
+    rest = [g for g in groups if g["kind"] not in (Kind.HIDDEN, Kind.EXPERT)]
+    muon_args = {
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "nesterov": cfg.nesterov,
+        "adjust_lr_fn": cfg.muon_adjust_lr,
+    }
     parts: list[torch.optim.Optimizer] = []
     if hidden:
-        muon = torch.optim.Muon(
-            hidden,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            adjust_lr_fn=cfg.muon_adjust_lr,
-        )
-        parts.append(muon)
+        parts.append(torch.optim.Muon(hidden, **muon_args))
+    if experts:
+        parts.append(ExpertMuon(experts, **muon_args))
     if rest:
         parts.append(_adamw(rest, cfg))
     return CompositeOptimizer(parts)

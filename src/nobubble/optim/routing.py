@@ -19,13 +19,20 @@ class Kind(StrEnum):
     HIDDEN = "hidden"  # 2-D weight inside a transformer block (Muon's domain)
     EMBEDDING = "embedding"  # other >= 2-D weights: the token embedding and the output head
     GAIN = "gain"  # 1-D tensors (norm gains, biases): never weight-decayed
+    EXPERT = "expert"  # an MoE block's experts, one 3-D (experts, rows, columns) tensor each
+    ROUTER = "router"  # an MoE block's router: AdamW under Muon (docs/moe.md)
 
 
 def classify(name: str, param: torch.Tensor) -> Kind:
     if param.ndim < 2:
         return Kind.GAIN
-    if param.ndim == 2 and name.startswith("blocks."):
-        return Kind.HIDDEN
+    if name.startswith("blocks."):
+        if name.endswith("mlp.router.weight"):
+            return Kind.ROUTER
+        if param.ndim == 2:
+            return Kind.HIDDEN
+        if param.ndim == 3:
+            return Kind.EXPERT
     return Kind.EMBEDDING
 
 

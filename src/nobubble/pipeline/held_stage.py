@@ -17,6 +17,7 @@ from nobubble.config import TrainConfig, chosen_corrections
 from nobubble.delay import stage_delays
 from nobubble.layout import ParallelLayout
 from nobubble.model import TIED_WEIGHT, ModelConfig, Stage, StageSpec, holds_tied_copy
+from nobubble.moe import balance_routers, pack_routing, unpack_routing
 from nobubble.optim import build_optimizer
 from nobubble.pipeline.replicas import ReplicaReduction
 from nobubble.pipeline.split_backward import SplitBackward
@@ -43,7 +44,7 @@ class HeldStage:
         tied: dist.ProcessGroup | None,
         split: bool,
     ) -> None:
-        self.index, self.spec, self.cfg = index, spec, cfg
+        self.index, self.spec, self.cfg, self.device = index, spec, cfg, device
         self.first, self.last = spec.has_embed, spec.has_head
         self.module = Stage(mc, spec, cfg.seed).to(device)
         apply_stage_options(self.module, cfg, device)
@@ -73,17 +74,29 @@ class HeldStage:
             if self.tied_name and tied is not None
             else None
         )
-        self.reduced = [p for n, p in params.items() if n != self.tied_name]  # the dp bucket
+        # the dp bucket: what an optimizer steps, but the tied copy (reduced on its own)
+        self.reduced = [p for n, p in params.items() if n != self.tied_name and p.requires_grad]
         self.versions_peak = 1
+        self.mc, self.moe_blocks = mc, [i for i in spec.blocks if mc.is_moe(i)]
 
-    def apply_step(self, step: int) -> tuple[float, bool, float]:
+    def step_sums(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """What a STEP averages over the replicas besides the gradient, as one float64 vector:
+        the step's loss sum (0 on a stage without the head), then its MoE routing sums."""
+        first = loss.reshape(1) if loss is not None else torch.zeros(1, dtype=torch.float64)
+        routing = pack_routing(self.module.take_routing())
+        return torch.cat([first.to(self.device)] + ([] if routing is None else [routing]))
+
+    def apply_step(self, step: int, sums: torch.Tensor) -> tuple[float, bool, float]:
         """The rest of the STEP action, once the gradient is complete (and averaged over the
-        replicas): clip -> optimizer on the newest version. Returns (gradient norm, whether the
+        replicas, with the ``sums`` of :meth:`step_sums`): clip -> optimizer on the newest
+        version; balance biases from the step's routing. Returns (gradient norm, whether the
         update went ahead in full, learning rate)."""
         norm, ok = prepare_step(
             self.store, step, self.point.history, self.cfg.grad_clip, self.tied_name, self.first
         )
         self.versions_peak = max(self.versions_peak, self.point.copies())
+        routing = unpack_routing(sums[1:], self.moe_blocks, self.mc)
+        balance_routers(self.store.params, routing, self.mc.moe_bias_rate)
         lr = optimizer_step(self.optimizer, step, self.cfg)
         return norm, ok, lr
 

@@ -47,6 +47,7 @@ from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
 from nobubble.model import ModelConfig, lm_loss, partition
+from nobubble.moe import routing_size, unpack_routing
 from nobubble.optim.named_state import NamedState, load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
 from nobubble.pipeline.held_stage import HeldStage
@@ -122,6 +123,9 @@ class PipelineEngine:
             for stage in layout.stages
         }
         self.first, self.last = layout.is_first_stage, layout.is_last_stage
+        # the statistics every process reports per held stage: loss, norm, skipped, routing
+        self.mc, self.moe_blocks = mc, [[i for i in s.blocks if mc.is_moe(i)] for s in specs]
+        self.report_width = 3 + max(len(b) for b in self.moe_blocks) * routing_size(mc)
         self.delay = max(held.delay for held in self.held.values())
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
         self.messenger = Messenger(layout, cfg.p2p_timeout_s)
@@ -360,7 +364,7 @@ class _PendingUpdate:
     """A STEP whose update waits for its all-reduces (data-parallel, tied or both)."""
 
     step: int
-    total: torch.Tensor | None  # this rank's loss sum (the last stage), before any all-reduce
+    sums: torch.Tensor  # HeldStage.step_sums (loss and routing), before any all-reduce
     replicas: PendingReduction | None
     tied: PendingReduction | None
 
@@ -566,9 +570,9 @@ class _Segment:
         replicas and sum the tied weight's with the other stage's (in the background), or
         apply the update now."""
         held.point.take_gradients(step)
-        total = self.losses.pop(step, None) if held.last else None
+        sums = held.step_sums(self.losses.pop(step, None) if held.last else None)
         if held.reduction is None and held.tied is None:
-            self.apply(held, step, total)
+            self.apply(held, step, sums)
             return
         # the same order of collectives on every rank: tied first (it spans both groups' ranks)
         tied = (
@@ -576,9 +580,8 @@ class _Segment:
         )
         replicas = None
         if held.reduction is not None:
-            loss = None if total is None else total.reshape(1)
-            replicas = held.reduction.start(step, held.reduced, loss)
-        self.pending[held.index] = _PendingUpdate(step, total, replicas, tied)
+            replicas = held.reduction.start(step, held.reduced, sums)
+        self.pending[held.index] = _PendingUpdate(step, sums, replicas, tied)
 
     def finish_update_before(self, action: Action) -> None:
         """Finish pending updates before ``action`` where it needs the version they make (or is
@@ -604,21 +607,26 @@ class _Segment:
     def finish_update(self, stage: int) -> None:
         pending, held = self.pending.pop(stage), self.e.held[stage]
         with label(f"STEP v{pending.step + 1} update"):
-            total = pending.total
+            sums = pending.sums
             if pending.replicas is not None:
-                total = held.reduction.finish(pending.replicas, held.reduced)
+                sums = held.reduction.finish(pending.replicas, held.reduced)
             if pending.tied is not None:
                 held.tied.finish(pending.tied, [held.store.params[held.tied_name]])
-            self.apply(held, pending.step, total)
+            self.apply(held, pending.step, sums)
 
-    def apply(self, held: HeldStage, step: int, total: torch.Tensor | None) -> None:
+    def apply(self, held: HeldStage, step: int, sums: torch.Tensor) -> None:
         """Clip, step the optimizer; once every stage of this process has, report the step's
-        statistics to the first stage."""
+        statistics to the first stage: a row per held stage of (loss, gradient norm, skipped,
+        its MoE routing sums), zero-padded to the engine's ``report_width``."""
         e = self.e
-        norm, ok, lr = held.apply_step(step)
-        loss = math.nan if total is None else total.item() / e.micro_per_step
+        norm, ok, lr = held.apply_step(step, sums)
+        sums = sums.cpu()
+        loss = sums[0].item() / e.micro_per_step if held.last else math.nan
+        row = torch.zeros(e.report_width, dtype=torch.float64)
+        row[:3] = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
+        row[3 : 2 + len(sums)] = sums[1:]
         reports = self.reports.setdefault(step, {})
-        reports[held.index] = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
+        reports[held.index] = row
         if len(reports) < len(e.held):
             return
         del self.reports[step]
@@ -637,7 +645,7 @@ class _Segment:
         for peer in range(1, e.layout.pp):  # the process of model stage `peer` (chunk 0)
             by_rank.append(
                 e.messenger.recv(
-                    (e.layout.chunks, 3),
+                    (e.layout.chunks, e.report_width),
                     torch.float64,
                     e.device,
                     peer,
@@ -651,12 +659,16 @@ class _Segment:
             by_rank[s % e.layout.pp][e.layout.chunk_of(s)]
             for s in range(len(by_rank) * e.layout.chunks)
         ]
+        routing = {}
+        for stage, row in enumerate(reports):
+            routing.update(unpack_routing(row[3:], e.moe_blocks[stage], e.mc))
         self.on_step(
             StepStats(
                 step=step,
                 loss=reports[-1][0].item(),
                 grad_norm=math.sqrt(sum(r[1].item() ** 2 for r in reports)),
                 lr=lr,
+                routing=routing,
                 skipped_stages=[s for s, r in enumerate(reports) if r[2].item()],
             )
         )

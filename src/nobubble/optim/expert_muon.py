@@ -1,0 +1,73 @@
+"""Muon for stacked expert weights: every expert's matrix orthogonalized on its own.
+
+An MoE layer keeps its E experts' matrices in one 3-D parameter (E, A, B). Muon's update is defined
+per matrix, so :class:`ExpertMuon` applies torch's Muon to each (A, B) slice exactly as
+``torch.optim.Muon`` would to that expert's matrix held as its own 2-D parameter: the same
+momentum (kept for the whole tensor; it is elementwise), the same Newton–Schulz iteration and the
+same shape-adjusted learning rate, through torch's own functions (tested bitwise against
+``torch.optim.Muon`` on the separate matrices). Orthogonalizing the flattened (E·A, B) matrix
+instead would couple the experts' updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+# torch's Muon helpers (torch.optim._muon), so that a slice gets exactly torch.optim.Muon's update
+from torch.optim._muon import (
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    DEFAULT_NS_STEPS,
+    EPS,
+    _adjust_lr,
+    _zeropower_via_newtonschulz,
+)
+
+
+class ExpertMuon(torch.optim.Optimizer):
+    """``torch.optim.Muon``'s update on each matrix ``p[e]`` of 3-D parameters ``p``."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        adjust_lr_fn: str | None = None,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 3:
+                    shape = tuple(p.shape)
+                    raise ValueError(f"ExpertMuon takes (experts, rows, columns) tensors: {shape}")
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape[1:])
+                p.mul_(1 - lr * decay)
+                for expert in range(p.shape[0]):
+                    ortho = _zeropower_via_newtonschulz(
+                        update[expert], (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
+                    )
+                    p[expert].add_(ortho, alpha=-adjusted)

@@ -1,0 +1,210 @@
+"""The mixture-of-experts layer against hand computation, and its statistics, config and optimizer
+routing (docs/moe.md). Pipeline parity and resume: test_pipeline_parity.py, test_moe_pipeline.py."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.flops import matmul_weights
+from nobubble.model import PRESETS, Stage, StageSpec, build_model, model_config
+from nobubble.moe import MoE, balance_routers, routing_metrics
+from nobubble.optim.expert_muon import ExpertMuon
+from nobubble.optim.routing import Kind, classify
+
+
+def layer(experts=3, top_k=1, capacity=0.0, aux=0.0, d=4, f=3, seed=0) -> MoE:
+    mc = dataclasses.replace(
+        PRESETS["tiny"],
+        d_model=d,
+        moe_experts=experts,
+        moe_top_k=top_k,
+        moe_d_ff=f,
+        moe_capacity_factor=capacity,
+        moe_aux_coef=aux,
+    )
+    moe = MoE(mc, shared=None)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return moe
+
+
+def by_hand(moe: MoE, x: torch.Tensor, keep: set[tuple[int, int]] | None = None) -> torch.Tensor:
+    """Token by token: softmax, top-k, gates renormalized when k > 1, each chosen expert's
+    SwiGLU; an assignment (token, expert) outside ``keep`` adds nothing."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = (moe.router.weight @ x[t]).softmax(-1)
+        chosen = sorted(range(moe.experts), key=lambda e: -probs[e].item())[: moe.top_k]
+        total = sum(probs[e] for e in chosen) if moe.top_k > 1 else 1.0
+        for e in chosen:
+            if keep is not None and (t, e) not in keep:
+                continue
+            hidden = F.silu(moe.w_gate[e] @ x[t]) * (moe.w_up[e] @ x[t])
+            out[t] += probs[e] / total * (moe.w_down[e] @ hidden)
+    return out
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_routing_equals_the_token_by_token_computation_and_its_gradients(top_k):
+    moe = layer(experts=3, top_k=top_k)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = moe(x)
+    expected = by_hand(moe, x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    weights = [x, moe.router.weight, moe.w_gate, moe.w_up, moe.w_down]
+    grads = torch.autograd.grad(out.square().sum(), weights)
+    hand = torch.autograd.grad(expected.square().sum(), weights)
+    for g, h in zip(grads, hand, strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_drops_the_least_likely_assignments_of_a_full_expert():
+    moe = layer(experts=2, top_k=1, capacity=0.5)  # at most ceil(0.5 * 6 / 2) = 2 per expert
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        probs = (x @ moe.router.weight.T).softmax(-1)
+    choice = probs.argmax(-1)
+    keep = set()
+    for e in range(2):
+        mine = [t for t in range(6) if choice[t] == e]
+        mine.sort(key=lambda t: -probs[t, e].item())
+        keep |= {(t, e) for t in mine[:2]}
+    out = moe(x)
+    torch.testing.assert_close(out, by_hand(moe, x, keep), rtol=1e-5, atol=1e-6)
+    assert moe.take_routing().abs().sum() == 0  # only a backward records
+    out.sum().backward()
+    sums = moe.take_routing()
+    assert sums[:2].tolist() == [sum(choice == 0).item(), sum(choice == 1).item()]
+    assert sums[2].item() == 6 - len(keep)  # dropped
+
+
+def test_the_balance_loss_gradient_is_the_hand_derived_one():
+    """aux = E Σₑ fₑ Pₑ with fₑ fixed by the choice: d aux / d logitsₜ = (E/n) Jₜᵀ f, where Jₜ is
+    the softmax Jacobian of token t; the router's weight gradient is Σₜ (that) xₜᵀ, times the
+    coefficient and the microbatch's share of the loss."""
+    moe = layer(experts=3, top_k=2, aux=0.3)
+    moe.loss_scale = 0.25
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    out = moe(x)
+    out.backward(torch.zeros_like(out))  # only the auxiliary loss sends a gradient
+    with torch.no_grad():
+        probs = (x @ moe.router.weight.T).softmax(-1)
+        chosen = probs.topk(2, dim=-1).indices
+        f = torch.bincount(chosen.reshape(-1), minlength=3).float() / (5 * 2)
+        expected = torch.zeros_like(moe.router.weight)
+        for t in range(5):
+            jacobian = torch.diag(probs[t]) - torch.outer(probs[t], probs[t])
+            expected += torch.outer(3 / 5 * jacobian.T @ f, x[t])
+    torch.testing.assert_close(moe.router.weight.grad, 0.3 * 0.25 * expected)
+    assert moe.w_gate.grad is None or moe.w_gate.grad.abs().max() == 0
+
+
+def test_bias_balancing_moves_the_bias_against_the_load():
+    params = {"blocks.2.mlp.balance_bias": torch.zeros(4), "blocks.2.mlp.w_up": torch.ones(2)}
+    loads = torch.tensor([10.0, 2.0, 4.0, 0.0, 1, 2, 3, 4, 5], dtype=torch.float64)  # mean 4
+    balance_routers(params, {2: loads}, rate=0.5)
+    assert params["blocks.2.mlp.balance_bias"].tolist() == [-0.5, 0.5, 0.0, 0.5]
+    assert params["blocks.2.mlp.w_up"].tolist() == [1.0, 1.0]
+
+
+def test_the_bias_steers_the_choice_but_not_the_gate():
+    moe = layer(experts=2, top_k=1)
+    moe.balance_bias = torch.nn.Parameter(torch.tensor([0.0, 5.0]), requires_grad=False)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(4))
+    out = moe(x)
+    probs = (x @ moe.router.weight.T).softmax(-1)
+    hidden = F.silu(x @ moe.w_gate[1].T) * (x @ moe.w_up[1].T)
+    torch.testing.assert_close(out, probs[:, 1:] * (hidden @ moe.w_down[1].T))
+
+
+def test_statistics_count_each_trained_microbatch_once(tiny_mc):
+    """Recorded by the backward: evaluation adds nothing, activation recomputation adds nothing
+    twice."""
+    mc = dataclasses.replace(tiny_mc, moe_experts=4, moe_top_k=2, moe_layers=(1, 3))
+    model = build_model(mc, seed=0)
+    tokens = torch.randint(0, mc.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(tokens)
+    assert all(row.abs().sum() == 0 for row in model.take_routing().values())
+    model.activation_checkpointing = True
+    model(tokens).sum().backward()
+    routing = model.take_routing()
+    assert sorted(routing) == [1, 3]
+    for row in routing.values():
+        assert row[:4].sum().item() == 2 * 8 * 2  # tokens x top_k
+        assert row[-2:].tolist() == [1.0, 16.0]  # one microbatch, 16 tokens
+    metrics = routing_metrics(routing)
+    assert metrics["moe_dropped"] == 0
+    assert 0 < metrics["moe_entropy"] <= math.log(4) + 1e-6
+    assert sorted(metrics["moe_load"]) == ["1", "3"]
+    assert sum(metrics["moe_load"]["1"]) == pytest.approx(1)
+
+
+def test_routing_metrics_on_a_known_table():
+    # 2 experts; loads 6 and 2; 1 dropped; entropy 4 over 4 tokens; aux 3 over 2 microbatches
+    table = torch.tensor([6.0, 2.0, 1.0, 4.0, 3.0, 2.0, 4.0], dtype=torch.float64)
+    metrics = routing_metrics({5: table})
+    assert metrics == {
+        "moe_aux": 1.5,
+        "moe_dropped": 1 / 8,
+        "moe_entropy": 1.0,
+        "moe_max_violation": 0.5,
+        "moe_load": {"5": [0.75, 0.25]},
+    }
+
+
+def test_expert_muon_is_torch_muon_on_each_expert_matrix():
+    gen = torch.Generator().manual_seed(5)
+    stacked = torch.nn.Parameter(torch.randn(3, 6, 4, generator=gen))
+    alone = [torch.nn.Parameter(stacked[e].detach().clone()) for e in range(3)]
+    ours = ExpertMuon([stacked], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    torch_muon = torch.optim.Muon(alone, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        grad = torch.randn(3, 6, 4, generator=gen)
+        stacked.grad = grad.clone()
+        for e, p in enumerate(alone):
+            p.grad = grad[e].clone()
+        ours.step()
+        torch_muon.step()
+    for e in range(3):
+        assert torch.equal(stacked[e], alone[e])
+
+
+def test_experts_and_routers_are_routed_explicitly():
+    assert classify("blocks.0.mlp.w_up", torch.zeros(4, 3, 2)) is Kind.EXPERT
+    assert classify("blocks.0.mlp.router.weight", torch.zeros(4, 2)) is Kind.ROUTER
+    assert classify("blocks.0.mlp.shared.w_up.weight", torch.zeros(4, 2)) is Kind.HIDDEN
+
+
+def test_the_cpu_preset_matches_the_dense_study_model_in_active_parameters():
+    moe = PRESETS["cpu-moe"]
+    dense = dataclasses.replace(moe, moe_experts=0)
+    moe, dense = (dataclasses.replace(m, vocab_size=320) for m in (moe, dense))
+    router = moe.n_layers * moe.moe_experts * moe.d_model
+    assert matmul_weights(moe) == matmul_weights(dense) + router
+
+
+def test_the_2b_preset_has_about_2b_parameters():
+    mc = PRESETS["moe-2b"]
+    with torch.device("meta"):
+        model = Stage(mc, StageSpec(0, range(mc.n_layers), True, True))
+    assert 1.9e9 < sum(p.numel() for p in model.parameters()) < 2.1e9
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"moe_experts": 4, "moe_top_k": 5}, "moe_top_k=5"),
+        ({"moe_experts": 4, "moe_layers": [0, 9]}, r"moe_layers lists blocks \[9\]"),
+        ({"moe_experts": 4, "moe_layers": []}, "moe_layers is empty"),
+    ],
+)
+def test_inconsistent_moe_settings_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        model_config(TrainConfig(**overrides), tokenizer_vocab=257)
