@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.flops import matmul_weights
-from nobubble.model import PRESETS, Stage, StageSpec, build_model, model_config
+from nobubble.model import PRESETS, Stage, StageSpec, build_model, lm_loss, model_config
 from nobubble.moe import MoE, balance_routers, routing_metrics
 from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.routing import Kind, classify
@@ -208,3 +208,28 @@ def test_the_2b_preset_has_about_2b_parameters():
 def test_inconsistent_moe_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         model_config(TrainConfig(**overrides), tokenizer_vocab=257)
+
+
+def test_the_auxiliary_losses_of_every_block_join_the_models_gradient(tiny_mc):
+    """With α > 0 the plain backward of the language-model loss gives the gradient of
+    lm + α Σ_blocks aux, the auxiliary losses written out explicitly (from the routers' outputs)
+    on a copy of the model without them: the gradient reaches every block and the embedding."""
+    mc = dataclasses.replace(tiny_mc, moe_experts=4, moe_top_k=2, moe_aux_coef=0.5)
+    tapped = build_model(mc, seed=1)
+    explicit = build_model(dataclasses.replace(mc, moe_aux_coef=0.0), seed=1)
+    logits: list[torch.Tensor] = []
+    for layer in explicit.moe_layers():
+        layer.router.register_forward_hook(lambda m, args, out: logits.append(out))
+    tokens = torch.randint(0, mc.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    lm_loss(tapped(tokens[:, :-1]), tokens[:, 1:]).backward()
+    loss = lm_loss(explicit(tokens[:, :-1]), tokens[:, 1:])
+    for out in logits:
+        probs = out.float().softmax(-1)
+        counts = torch.bincount(probs.topk(2, dim=-1).indices.reshape(-1), minlength=4)
+        f = counts / (probs.shape[0] * 2)  # shares of the n·k assignments
+        loss = loss + 0.5 * 4 * (f * probs.mean(0)).sum()
+    loss.backward()
+    for (name, a), (_, b) in zip(
+        tapped.named_parameters(), explicit.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7, msg=name)
