@@ -17,6 +17,7 @@ import torch
 
 from nobubble import cli
 from nobubble.bench import add_arguments, run
+from nobubble.bench import load as load_module
 from nobubble.bench.cli import common_settings, oversubscribed, resolve, selected_variants
 from nobubble.bench.load import ForeignLoad
 from nobubble.bench.measure import (
@@ -231,10 +232,20 @@ def test_p2p_wait_clock_times_torch_waits_and_restores_them():
     assert torch_schedules._wait_batch_p2p is original
 
 
-def test_foreign_load_is_a_share_of_cores():
+def test_foreign_load_is_a_share_of_cores_and_steal_apart(monkeypatch, tmp_path):
+    """/proc/stat's first line: user nice system idle iowait irq softirq steal (jiffies). Over
+    a second, another process took 0.5 cores and the hypervisor 0.25: only the first counts as
+    load (steal is not this machine's to wait out)."""
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(load_module, "_STAT", stat)
+    monkeypatch.setattr(load_module.os, "sysconf", lambda name: 100)
+    clock = iter([10.0, 11.0])
+    monkeypatch.setattr(load_module.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(load_module, "_children_cpu_s", lambda: 0.0)
+    stat.write_text("cpu  100 0 100 500 0 0 0 40 0 0\n")
     with ForeignLoad() as load:
-        pass
-    assert load.cores is None or load.cores >= 0
+        stat.write_text("cpu  130 0 120 600 0 0 0 65 0 0\n")
+    assert load.cores == pytest.approx(0.5) and load.steal_cores == pytest.approx(0.25)
 
 
 @pytest.mark.slow

@@ -222,6 +222,13 @@ def header(args: argparse.Namespace, info: dict[str, Any], log: list[dict]) -> s
     """What was run, on what, and how disturbed the machine was."""
     others = [entry["foreign_cores"] for entry in log if entry["foreign_cores"] is not None]
     busiest = f"{max(others):.2f}" if others else "n/a"
+    steals = [entry.get("steal_cores") for entry in log if entry.get("steal_cores") is not None]
+    steal = (
+        f"; the hypervisor stole {min(steals):.2f}-{max(steals):.2f} cores (not counted as "
+        "other processes)"
+        if steals
+        else ""
+    )
     dp = f" dp={args.dp} ({args.stages * args.dp} processes)" if args.dp > 1 else ""
     return (
         f"P={args.stages}{dp} M={args.microbatches} steps={args.steps} batch={args.batch_size} "
@@ -229,7 +236,7 @@ def header(args: argparse.Namespace, info: dict[str, Any], log: list[dict]) -> s
         f"{args.device}: {info['gpu'] or info['cpu']} ×{info['cpus']}, torch {info['torch']}, "
         f"nobubble {info['nobubble']}; medians of {args.repeats} interleaved repeats; tokens/s "
         f"leaves out the first {args.warmup_steps} steps; other processes used at most "
-        f"{busiest} cores during a timed run"
+        f"{busiest} cores during a timed run{steal}"
     )
 
 

@@ -74,7 +74,12 @@ def timed_run(
             f"  {variant.name}: other processes used {load.cores:.2f} cores; running it again",
             file=sys.stderr,
         )
-    return {"exit_code": code, "foreign_cores": load.cores, "attempts": attempt + 1}
+    return {
+        "exit_code": code,
+        "foreign_cores": load.cores,
+        "steal_cores": load.steal_cores,
+        "attempts": attempt + 1,
+    }
 
 
 def bench_shape(args: argparse.Namespace, steps: int | None = None) -> Shape:
@@ -105,9 +110,10 @@ def run_timed(
             results[variant.name].append(result)
             log.append({"repeat": repeat, "variant": variant.name, **info})
             others = "n/a" if info["foreign_cores"] is None else f"{info['foreign_cores']:.2f}"
+            steal = "" if info["steal_cores"] is None else f", steal {info['steal_cores']:.2f}"
             print(
                 f"[{repeat + 1}/{args.repeats}] {variant.name:12s} {result.tokens_per_s:10,.0f}"
-                f" tokens/s  (other processes: {others} cores)",
+                f" tokens/s  (other processes: {others} cores{steal})",
                 file=sys.stderr,
             )
     return results, log
