@@ -249,6 +249,7 @@ def test_foreign_load_is_a_share_of_cores_and_steal_apart(monkeypatch, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 11 launches, 2.5 min on CI; make test runs each kind of variant below
 def test_quick_bench_reports_every_variant(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = parse("--quick", "--json", str(out), "--runs-dir", str(tmp_path / "runs"),
@@ -272,6 +273,23 @@ def test_quick_bench_reports_every_variant(tmp_path, capsys):
     fits = any(peak[name] <= peak["2bw"] for name in peak if is_synchronous(name))
     assert len(report["targets"]) == 5 + fits
     assert report["memory_pass"] is None  # off with --quick
+
+
+@pytest.mark.slow
+def test_quick_bench_runs_torchs_interleaved_zero_bubble_baseline(tmp_path, capsys):
+    """The one kind of variant make test launches nowhere else: torch's multi-stage-per-rank
+    schedules (our variants run in the tests below and the parity tests, torch's 1F1B in the
+    data-parallel bench test)."""
+    out = tmp_path / "bench.json"
+    args = parse("--quick", "--schedules", "2bw,torch-interleaved-zb", "--json", str(out),
+                 "p2p_timeout_s=60")  # fmt: skip
+    assert run(args) == 0
+    summaries = {s["name"]: s for s in json.loads(out.read_text())["summary"]}
+    assert set(summaries) == {"2bw", "torch-interleaved-zb"}
+    torch_zb = summaries["torch-interleaved-zb"]
+    assert torch_zb["tokens_per_s"] > 0 and torch_zb["weight_versions"] == [1, 1]
+    assert all(0 <= idle < 1 for idle in torch_zb["idle"])
+    assert "| torch-interleaved-zb |" in capsys.readouterr().out
 
 
 @pytest.mark.slow
