@@ -14,6 +14,7 @@ from nobubble.model import PRESETS, Stage, StageSpec, build_model, lm_loss, mode
 from nobubble.moe import MoE, balance_routers, routing_metrics
 from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.routing import Kind, classify
+from nobubble.planning.costs import stage_costs
 
 
 def layer(experts=3, top_k=1, capacity=0.0, aux=0.0, d=4, f=3, seed=0) -> MoE:
@@ -233,3 +234,15 @@ def test_the_auxiliary_losses_of_every_block_join_the_models_gradient(tiny_mc):
         tapped.named_parameters(), explicit.named_parameters(), strict=True
     ):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_the_cost_model_computes_with_active_weights_and_holds_every_expert():
+    mc = dataclasses.replace(PRESETS["moe-2b"], moe_bias_rate=0.001)
+    with torch.device("meta"):
+        model = Stage(mc, StageSpec(0, range(mc.n_layers), True, True))
+    (whole,) = stage_costs(mc, 1, seq_len=2048, microbatch_size=1)
+    assert whole.parameters == sum(p.numel() for p in model.parameters())
+    dense = dataclasses.replace(mc, moe_experts=0, moe_bias_rate=0.0)
+    (dense_whole,) = stage_costs(dense, 1, seq_len=2048, microbatch_size=1)
+    router_flops = 2 * mc.n_layers * mc.moe_experts * mc.d_model * 2048
+    assert whole.forward_flops == dense_whole.forward_flops + router_flops

@@ -51,15 +51,23 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, str, float], ...] = (
 )
 
 
+def block_matmul_weights(mc: ModelConfig, block: int) -> int:
+    """The weights a token's activations meet in block ``block``: its attention projections and
+    its SwiGLU, or in an MoE block its router and the experts it is routed to (k of them, and
+    the shared ones), not every expert."""
+    d = mc.d_model
+    attention = 2 * d * mc.head_dim * (mc.n_heads + mc.n_kv_heads)
+    if not mc.is_moe(block):
+        return attention + 3 * d * mc.d_ff
+    active = mc.moe_top_k + mc.moe_shared_experts
+    return attention + 3 * d * mc.expert_width * active + d * mc.moe_experts
+
+
 def matmul_weights(mc: ModelConfig) -> int:
     """N: the weights a token's activations are multiplied by (the embedding table excluded,
-    the head included, tied or not); in an MoE block, its router and the experts it is routed
-    to (k of them, and the shared ones), not every expert."""
-    d, dh = mc.d_model, mc.head_dim
-    attention = 2 * d * dh * (mc.n_heads + mc.n_kv_heads)
-    moe_mlp = 3 * d * mc.expert_width * (mc.moe_top_k + mc.moe_shared_experts) + d * mc.moe_experts
-    mlps = sum(moe_mlp if mc.is_moe(i) else 3 * d * mc.d_ff for i in range(mc.n_layers))
-    return mc.n_layers * attention + mlps + d * mc.vocab_size
+    the head included, tied or not)."""
+    blocks = sum(block_matmul_weights(mc, i) for i in range(mc.n_layers))
+    return blocks + mc.d_model * mc.vocab_size
 
 
 def flops_per_token(mc: ModelConfig, seq_len: int) -> int:

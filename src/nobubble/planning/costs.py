@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nobubble.flops import block_matmul_weights
 from nobubble.model import ModelConfig, partition
 
 BYTES_PER_WEIGHT_VERSION = 2
@@ -41,16 +42,20 @@ class StageCost:
 def stage_costs(
     mc: ModelConfig, stages: int, seq_len: int, microbatch_size: int
 ) -> list[StageCost]:
-    """The model cut into ``stages`` stages as nobubble.model.partition cuts it."""
-    d, dh, f, vocab = mc.d_model, mc.head_dim, mc.d_ff, mc.vocab_size or 0
+    """The model cut into ``stages`` stages as nobubble.model.partition cuts it. An MoE block
+    computes with its active weights (nobubble.flops) and holds all of its experts; its
+    activations are counted as those of a dense block (the routed experts' inputs and hidden
+    states, k copies of the token's, are not added)."""
+    d, dh, vocab = mc.d_model, mc.head_dim, mc.vocab_size or 0
     tokens = seq_len * microbatch_size
-    block_weights = 2 * d * dh * (mc.n_heads + mc.n_kv_heads) + 3 * d * f
-    block_flops = 2 * block_weights + 4 * mc.n_heads * dh * seq_len  # per token, forward
+    attention_flops = 4 * mc.n_heads * dh * seq_len  # per token, forward
     costs = []
     for spec in partition(mc.n_layers, stages):
         blocks = len(spec.blocks)
-        flops = blocks * block_flops + (2 * d * vocab if spec.has_head else 0)
-        params = blocks * (block_weights + 2 * d) + (d * vocab if spec.has_embed else 0)
+        flops = sum(2 * block_matmul_weights(mc, i) + attention_flops for i in spec.blocks)
+        flops += 2 * d * vocab if spec.has_head else 0
+        params = sum(block_parameters(mc, i) for i in spec.blocks)
+        params += d * vocab if spec.has_embed else 0
         if spec.has_head:  # a tied head on another stage than the embedding holds its own copy
             params += d + (0 if mc.tie_embeddings and spec.has_embed else d * vocab)
         activations = blocks * ACTIVATION_BYTES_PER_BLOCK_TOKEN_WIDTH * tokens * d
@@ -67,3 +72,14 @@ def stage_costs(
             )
         )
     return costs
+
+
+def block_parameters(mc: ModelConfig, block: int) -> int:
+    """The parameters block ``block`` holds: its matmul weights with every expert of an MoE
+    block (and its balance bias), and its two norm gains."""
+    d = mc.d_model
+    held = block_matmul_weights(mc, block) + 2 * d
+    if mc.is_moe(block):
+        unused = mc.moe_experts - mc.moe_top_k  # experts a token does not meet, held anyway
+        held += 3 * d * mc.expert_width * unused + (mc.moe_experts if mc.moe_bias_rate else 0)
+    return held
