@@ -21,9 +21,10 @@
 # What runs, by the number of GPUs N (one process per GPU; NCCL refuses two ranks on one GPU):
 #   N = 0  nothing: an error
 #   N = 1  no NCCL run is possible; a single-process run of the simulator on cuda and the same
-#          run on the CPU, final losses side by side
+#          run on the CPU, final losses side by side; an MoE model in one process on cuda
 #   N >= 2 + pipeline parity P = 2 on NCCL (1f1b; 2bw with Muon and EF, M = 4), data-parallel
-#          parity with P = 1, dp = 2, and `nobubble bench` P = 2 (ours vs torch) and P = 1,
+#          parity with P = 1, dp = 2, MoE pipeline parity P = 2 (2bw, Muon, EF), and
+#          `nobubble bench` P = 2 (ours vs torch) and P = 1,
 #          dp = 2 (the all-reduce behind compute, M = 2P and M = P)
 #   N >= 4 + data-parallel parity P = 2, dp = 2 (sync and 2bw, AdamW, and 2bw with EF), bench
 #          P = 2, dp = 2 at M = 2P = 4 and M = P = 2, then, as time allows, parity P = 4
@@ -137,6 +138,10 @@ SINGLE=(schedule=2bw stages=2 microbatches=4 steps=20 batch_size=16 seq_len=128 
     checkpoint_every=0)
 step single-process-cuda "$PY" -m nobubble train --no-progress --overwrite \
     --out "$OUT/runs/single-cuda" device=cuda "${SINGLE[@]}"
+# an MoE model (docs/moe.md): routing, bias balancing and the statistics on cuda
+step moe-single-process-cuda "$PY" -m nobubble train --no-progress --overwrite \
+    --out "$OUT/runs/moe-single-cuda" device=cuda preset=cpu-moe moe_bias_rate=0.001 \
+    "${SINGLE[@]}"
 if ((GPUS == 1)); then
     step single-process-cpu "$PY" -m nobubble train --no-progress --overwrite \
         --out "$OUT/runs/single-cpu" device=cpu "${SINGLE[@]}"
@@ -157,6 +162,8 @@ if ((GPUS >= 2)); then
     step parity-p2 "${PYTEST[@]}" tests/test_pipeline_parity.py \
         -k "test_pipeline_matches_the_simulation and (2-1f1b-2 or 2-2bw-4)"
     step data-parallel-p1-dp2 "${PYTEST[@]}" tests/test_data_parallel.py -k "1-sync-2"
+    step moe-parity-p2 "${PYTEST[@]}" tests/test_moe_pipeline.py \
+        -k "test_moe_pipeline_matches_the_simulation and 2-2bw-2"
 fi
 if ((GPUS >= 4)); then
     step data-parallel-p2-dp2 "${PYTEST[@]}" tests/test_data_parallel.py \
