@@ -11,9 +11,11 @@ from tests.pipeline_helpers import EXTENDED, assert_same_run, losses, nobubble
 
 pytestmark = pytest.mark.slow
 
+# Three cases run in make test as MoE models (tests/test_moe_pipeline.py: the same schedule,
+# optimizer and shape, with a dense block 0 and MoE blocks 1-3), so their dense runs are extended.
 CASES = [
     # (stages, schedule, microbatches, extra settings)
-    (2, "1f1b", 2, ["optim=adamw"]),
+    pytest.param(2, "1f1b", 2, ["optim=adamw"], marks=EXTENDED),
     pytest.param(2, "2bw", 2, ["optim=adamw"], marks=EXTENDED),  # the ef case's path, less EF
     (2, "2bw", 2, ["optim=adamw", "ef=true"]),
     pytest.param(2, "2bw", 4, ["optim=muon", "ef=true"], marks=EXTENDED),
@@ -22,9 +24,9 @@ CASES = [
     # two model stages per process (0, 2 and 1, 3): per-stage clipping over 4 stages, tied
     # copies on stages 0 and 3 (processes 0 and 1)
     (2, "interleaved-1f1b", 4, ["optim=muon", "tie_embeddings=true"]),
-    (4, "gpipe", 4, ["optim=muon"]),
+    pytest.param(4, "gpipe", 4, ["optim=muon"], marks=EXTENDED),
     pytest.param(4, "2bw", 4, ["optim=muon"], marks=EXTENDED),
-    (4, "2bw", 4, ["optim=adamw", "ef=true"]),
+    pytest.param(4, "2bw", 4, ["optim=adamw", "ef=true"], marks=EXTENDED),
     (4, "pipedream", 1, ["optim=adamw", "ef=true"]),
     # the other delay corrections (docs/corrections.md); dc's λ large enough to move float32
     (2, "2bw", 2, ["optim=adamw", "correction=nesterov"]),
