@@ -3,11 +3,12 @@
 Every replica of a stage runs the same actions on its own share of every microbatch (so the run
 sees exactly the tokens a single replica would, see :func:`replica_rows`). At a STEP a stage starts
 one asynchronous all-reduce over its replicas of its whole gradient (one flat bucket) and of its
-loss sum; the rest of the update waits until something needs the version the step produces (see
-``PipelineEngine``). Under 2bw that is the first forward of the step after next, so the reduction
-runs behind that compute; under a flushing schedule the next forward needs it at once and the
-reduction is on the critical path. Both are measured per stage: how long the reduction took
-(start to completion, reported by the backend) and how long the stage waited for it.
+figures (its loss sum, MoE routing sums); the rest of the update waits until something needs the
+version the step produces (see ``PipelineEngine``). Under 2bw that is the first forward of the
+step after next, so the reduction runs behind that compute; under a flushing schedule the next
+forward needs it at once and the reduction is on the critical path. Both are measured per stage:
+how long the reduction took (start to completion, reported by the backend) and how long the stage
+waited for it.
 
 On CUDA both are GPU times from CUDA events, not CPU clocks: NCCL's future completes once the
 all-reduce is queued, and the CPU runs ahead of the GPU, so a CPU clock would time the queue, not
@@ -45,15 +46,15 @@ class PendingReduction:
     step: int
     works: list[dist.Work]
     bucket: torch.Tensor
-    loss: torch.Tensor | None
+    figures: torch.Tensor | None
     started: float
     done: list[float] = field(default_factory=list)  # completion time, set by the backend
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: start, completion
 
 
 class ReplicaReduction:
-    """Sums a gradient (and loss) over ``group`` and divides by ``dp`` (for a stage's replicas:
-    their mean); a wait longer than ``timeout_s`` or a member that went away is a
+    """Sums a gradient (and float64 figures) over ``group`` and divides by ``dp`` (for a stage's
+    replicas: their mean); a wait longer than ``timeout_s`` or a member that went away is a
     :class:`PeerFailure` naming ``name`` (the rank that waited) and ``what`` it waited for;
     ``short``: its name on a profiler trace."""
 
@@ -77,9 +78,10 @@ class ReplicaReduction:
         self._side: torch.cuda.Stream | None = None  # CUDA: records the all-reduces' completion
 
     def start(
-        self, step: int, params: list[torch.nn.Parameter], loss: torch.Tensor | None
+        self, step: int, params: list[torch.nn.Parameter], figures: torch.Tensor | None
     ) -> PendingReduction:
-        """Start averaging the gradients of ``params`` (and ``loss``, a float64 sum)."""
+        """Start averaging the gradients of ``params`` (and ``figures``, float64 sums: a stage's
+        loss and routing sums)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         bucket = torch.cat([g.reshape(-1) for g in grads])
         for param in params:  # the bucket holds them now; finish() hands back views of it
@@ -87,9 +89,9 @@ class ReplicaReduction:
         began = _recorded_event() if bucket.is_cuda else None
         started = time.perf_counter()
         works = [dist.all_reduce(bucket, group=self.group, async_op=True)]
-        if loss is not None:
-            works.append(dist.all_reduce(loss, group=self.group, async_op=True))
-        pending = PendingReduction(step, works, bucket, loss, started)
+        if figures is not None:
+            works.append(dist.all_reduce(figures, group=self.group, async_op=True))
+        pending = PendingReduction(step, works, bucket, figures, started)
         if began is not None:
             self._side = self._side or torch.cuda.Stream(bucket.device)
             with torch.cuda.stream(self._side):
@@ -103,8 +105,8 @@ class ReplicaReduction:
     def finish(
         self, pending: PendingReduction, params: list[torch.nn.Parameter]
     ) -> torch.Tensor | None:
-        """Wait for ``pending``; put the averaged gradients on ``params``; return the loss sum
-        averaged over the replicas (None on a stage without a loss)."""
+        """Wait for ``pending``; put the averaged gradients on ``params``; return the figures
+        averaged over the replicas (None if none were given)."""
         stalled = _recorded_event() if pending.events else None
         started = time.perf_counter()
         try:
@@ -136,7 +138,7 @@ class ReplicaReduction:
             count = param.numel()
             param.grad = bucket[offset : offset + count].view_as(param)
             offset += count
-        return None if pending.loss is None else pending.loss.div_(self.dp)
+        return None if pending.figures is None else pending.figures.div_(self.dp)
 
     def report(self, prefix: str) -> dict[str, float]:
         """The measurements of this reduction for a stage report, keys starting ``prefix``."""
