@@ -19,6 +19,7 @@ from nobubble.optim import (
     classify,
     set_lr,
 )
+from nobubble.optim.expert_muon import ExpertMuon
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
 # Same names and kinds as tiny, small enough to step every optimizer many times quickly.
@@ -48,14 +49,25 @@ def test_classify_by_name_and_shape() -> None:
     assert len(kinds[Kind.HIDDEN]) == 2 * 7  # wq wk wv wo w_gate w_up w_down per block
 
 
+# MoE blocks (docs/moe.md) with bias balancing: an expert and a router group, and a balance bias
+# that no optimizer steps
+SMALL_MOE = dataclasses.replace(SMALL, moe_experts=4, moe_top_k=2, moe_bias_rate=1e-3)
+
+
 @pytest.mark.parametrize("optim", OPTIMIZERS)
-def test_one_group_per_kind_and_decay_only_on_matrices(optim: str) -> None:
-    model = build_model(SMALL)
+@pytest.mark.parametrize("mc", [SMALL, SMALL_MOE], ids=["dense", "moe"])
+def test_one_group_per_kind_and_decay_only_on_matrices(optim: str, mc) -> None:
+    model = build_model(mc)
     opt = build_optimizer(list(model.named_parameters()), TrainConfig(optim=optim))
     names = _names_by_kind(model)
-    assert _group_names(opt) == {kind.value: names[kind] for kind in Kind}
+    present = {kind.value: names[kind] for kind in Kind if names[kind]}
+    present["gain"] = {n for n in present["gain"] if not n.endswith("balance_bias")}
+    assert _group_names(opt) == present
     decay = {g["kind"]: g["weight_decay"] for g in opt.param_groups}
-    assert decay == {"hidden": 0.1, "embedding": 0.1, "gain": 0.0}
+    expected = {"hidden": 0.1, "embedding": 0.1, "gain": 0.0}
+    if mc.moe_experts:
+        expected |= {"expert": 0.1, "router": 0.1}
+    assert decay == expected
 
 
 def test_muon_takes_hidden_matrices_and_adamw_the_rest() -> None:
@@ -71,6 +83,17 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest() -> None:
         "gain": names[Kind.GAIN],
     }
     assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+
+
+def test_muon_takes_each_experts_matrix_and_adamw_the_router() -> None:
+    model = build_model(SMALL_MOE)
+    opt = build_optimizer(list(model.named_parameters()), TrainConfig(optim="muon"))
+    muon, experts, adamw = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(experts, ExpertMuon)
+    names = _names_by_kind(model)
+    assert _group_names(opt, experts) == {"expert": names[Kind.EXPERT]}
+    assert set(_group_names(opt, adamw)) == {"embedding", "gain", "router"}
+    assert experts.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
 
 
 def test_muon_on_a_stage_without_hidden_matrices_is_adamw_alone() -> None:
