@@ -146,6 +146,8 @@ class MoE(nn.Module):
             kept = loads.clamp(max=capacity)
         rows = flat.unsqueeze(1).expand(n, k, d).reshape(n * k, d)[order]
         pieces, start = [], 0
+        # the loads set the shapes: one device-to-host copy per layer and microbatch, as in any
+        # dropless MoE without grouped-GEMM kernels
         for expert, (load, keep) in enumerate(torch.stack([loads, kept], dim=1).tolist()):
             if keep:
                 part = rows[start : start + keep]
