@@ -3,7 +3,6 @@
 
 import json
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -33,10 +32,9 @@ from tests.pipeline_helpers import (
     EXTENDED,
     SMALL,
     assert_same_run,
-    env,
     nobubble,
+    run_train,
     snapshot,
-    train_command,
 )
 from tests.test_data_parallel import assert_close_runs
 
@@ -253,9 +251,8 @@ def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path, capsys):
 
 
 def launch(*args: str, stages: int) -> None:
-    command = train_command(*args, stages=stages)
-    done = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=600)
-    assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout}\n{done.stderr}"
+    done = run_train(*args, stages=stages, timeout=600)
+    assert done.returncode == 0, f"{' '.join(done.args)}:\n{done.stdout}\n{done.stderr}"
 
 
 @pytest.mark.slow

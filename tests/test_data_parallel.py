@@ -17,7 +17,6 @@ all-reduced gradient is the same bytes).
 import json
 import os
 import signal
-import subprocess
 
 import pytest
 
@@ -25,11 +24,10 @@ from nobubble.config import ConfigError, build_config
 from tests.pipeline_helpers import (
     EXTENDED,
     assert_same_run,
-    env,
     final_weights,
     losses,
     nobubble,
-    train_command,
+    run_train,
 )
 from tests.test_faults import (  # reap_process_groups: an autouse fixture, active here too
     LONG,
@@ -123,8 +121,7 @@ def test_a_signal_to_one_rank_of_another_replica_stops_every_rank_and_resume_is_
     assert stopped < 60
     assert (tmp_path / "cut" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
 
-    resumed = train_command("--resume", str(tmp_path / "cut"), stages=4)
-    done = subprocess.run(resumed, capture_output=True, text=True, env=env(), timeout=300)
+    done = run_train("--resume", str(tmp_path / "cut"), stages=4)
     assert done.returncode == 0, done.stderr
     nobubble(tmp_path / "full", *settings, stages=4)
     assert_same_run(tmp_path / "full", tmp_path / "cut")

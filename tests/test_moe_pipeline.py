@@ -2,12 +2,10 @@
 engine, bit for bit: losses, final weights (balance biases included) and the routing statistics
 in metrics.jsonl; exact resume with bias balancing; the export's refusal (docs/moe.md)."""
 
-import subprocess
-
 import pytest
 
 from nobubble.cli import main
-from tests.pipeline_helpers import EXTENDED, assert_same_run, env, metrics, nobubble, train_command
+from tests.pipeline_helpers import EXTENDED, assert_same_run, metrics, nobubble, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +57,7 @@ def test_a_pipeline_moe_run_resumes_exactly_with_its_balance_biases(tmp_path):
     common += ["lr_schedule=constant", "eval_every=3"]
     nobubble(tmp_path / "full", *common, "steps=6", stages=2)
     nobubble(tmp_path / "cut", *common, "steps=3", stages=2)
-    resume = train_command("--resume", str(tmp_path / "cut"), "steps=6", stages=2)
-    done = subprocess.run(resume, capture_output=True, text=True, env=env(), timeout=300)
+    done = run_train("--resume", str(tmp_path / "cut"), "steps=6", stages=2)
     assert done.returncode == 0, done.stderr
     assert_same_run(tmp_path / "full", tmp_path / "cut")
     assert routing(tmp_path / "full")[-1] == routing(tmp_path / "cut")[-1]

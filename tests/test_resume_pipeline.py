@@ -11,11 +11,6 @@ from tests.pipeline_helpers import SMALL, env, nobubble, snapshot, train_command
 pytestmark = pytest.mark.slow
 
 
-def launch(*args: str, stages: int = 0, **kwargs) -> subprocess.CompletedProcess:
-    command = train_command(*args, stages=stages, **kwargs)
-    return subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
-
-
 def test_pipeline_overwrite_replaces_the_run_only_when_every_stage_is_ready(tmp_path):
     run, empty = tmp_path / "r", tmp_path / "empty.txt"
     empty.write_text("")

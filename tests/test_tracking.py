@@ -19,7 +19,7 @@ from nobubble.flops import flops_per_token
 from nobubble.model import model_config
 from nobubble.tracking import TensorBoardLogger, stage_scalars
 from nobubble.train import StepLogger, summary_line
-from tests.pipeline_helpers import SMALL, env, metrics, train_command
+from tests.pipeline_helpers import SMALL, metrics, run_train
 from tests.test_resume import cut_back_to
 
 PEAK = 0.5  # TFLOP/s of the one device: a made-up peak, so that the run has an MFU
@@ -251,11 +251,10 @@ def test_wandb_offline_writes_the_metrics_and_a_resume_continues_the_same_run(
 @pytest.mark.slow
 def test_a_pipeline_run_logs_per_stage_scalars_and_ends_with_the_summary_line(tmp_path):
     run = tmp_path / "run"
-    command = train_command(
+    done = run_train(
         "--out", str(run), *SMALL, "schedule=2bw", "stages=2", "microbatches=2",
         "steps=4", "eval_every=2", "logger=tensorboard", stages=2,
     )  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env())
     assert done.returncode == 0, done.stdout + done.stderr
     scalars = tensorboard_scalars(run)
     assert {k: v for k, v in scalars.items() if not k.startswith("stage")} == metrics_scalars(run)
