@@ -23,6 +23,8 @@ from nobubble.bench.load import ForeignLoad
 from nobubble.bench.measure import (
     RunResult,
     StageResult,
+    busy_costs,
+    measured_costs,
     predicted_tokens_per_s,
     ring_traffic_mb,
     simulated_bubble,
@@ -80,8 +82,30 @@ def test_steady_throughput_leaves_out_the_warmup_steps():
 
 def test_simulated_bubble_matches_the_schedule_docs():
     cfg = TrainConfig(schedule="2bw", stages=4, microbatches=8, steps=3)
-    bubble = simulated_bubble(cfg, [3.0] * 4)
+    bubble = simulated_bubble(cfg, busy_costs(cfg, [3.0] * 4))
     assert sum(bubble) / 4 == pytest.approx(1 / 9)  # docs/schedules.md: 11.1% overall
+
+
+def test_measured_action_times_split_each_process_s_busy_time():
+    """Process 0 holds model stages 0 and 2, process 1 stage 1 (interleaved, split backward).
+    Each one's busy time (wall - idle) is spread over its F, I and W in the measured proportions
+    (its STEP time included), per microbatch."""
+    reports = [
+        {"train_wall_s": 14.0, "idle_s": 2.0, "action_s": {
+            "0": {"F": 1.0, "I": 1.0, "W": 1.0, "STEP": 0.5},
+            "2": {"F": 1.0, "I": 1.0, "W": 1.0},
+        }},
+        {"train_wall_s": 14.0, "idle_s": 8.0, "action_s": {"1": {"F": 1.0, "I": 2.0, "W": 1.0}}},
+    ]  # fmt: skip
+    costs = measured_costs(reports, micro_total=2)
+    assert costs.fwd == pytest.approx([1.0, 0.75, 1.0])  # 12 s over 6 s measured, 6 s over 4 s
+    assert costs.bwd == pytest.approx([2.0, 2.25, 2.0])  # I + W
+    assert costs.wgrad == pytest.approx([1.0, 0.75, 1.0])
+    unsplit = [{"train_wall_s": 4.0, "idle_s": 1.0, "action_s": {"0": {"F": 1.0, "B": 1.0}}}]
+    assert measured_costs(unsplit, micro_total=1) == dataclasses.replace(
+        costs, fwd=[1.5], bwd=[1.5], wgrad=None
+    )
+    assert measured_costs([{"train_wall_s": 4.0, "idle_s": 1.0}], micro_total=1) is None
 
 
 def test_pipedream_runs_the_same_microbatches_as_microbatch_sized_steps():
@@ -431,9 +455,11 @@ def test_torch_interleaved_baselines_are_simulated_as_our_interleaved_order():
     """torch-interleaved-1f1b runs 2 stages per rank: its predicted bubble is our
     interleaved-1f1b's, (P-1)·3/v over a step of 3M + (P-1)·3/v (rank costs 3, v = 2)."""
     cfg = build_config({"schedule": "1f1b", "stages": 2, "microbatches": 4, "steps": 1})
-    bubble = simulated_bubble(cfg, [3.0, 3.0], "interleaved-1f1b", 2)
+    interleaved = busy_costs(cfg, [3.0, 3.0], "interleaved-1f1b", 2)
+    bubble = simulated_bubble(cfg, interleaved, "interleaved-1f1b", 2)
     assert bubble == pytest.approx([1.5 / 13.5] * 2)
-    assert simulated_bubble(cfg, [3.0, 3.0]) == pytest.approx([3 / 15] * 2)  # 1f1b: (P-1)·3
+    plain = busy_costs(cfg, [3.0, 3.0])
+    assert simulated_bubble(cfg, plain) == pytest.approx([3 / 15] * 2)  # 1f1b: (P-1)·3
     assert VARIANTS["torch-interleaved-zb"].worker == "interleaved-zb"
     assert "--schedule interleaved-zb" in " ".join(
         command(VARIANTS["torch-interleaved-zb"], 2, Path("/tmp/x"), [])
@@ -445,9 +471,10 @@ def test_the_cost_model_predicts_steady_throughput_from_measured_stage_times():
     settings = {"stages": 2, "microbatches": 4, "steps": 3, "batch_size": 8, "seq_len": 64}
     tokens = 8 * 64
     sync = build_config({**settings, "schedule": "1f1b"})
-    assert predicted_tokens_per_s(sync, [3.0, 3.0]) == pytest.approx(tokens / 15)
+    assert predicted_tokens_per_s(sync, busy_costs(sync, [3.0, 3.0])) == pytest.approx(tokens / 15)
     delayed = build_config({**settings, "schedule": "2bw"})
-    assert predicted_tokens_per_s(delayed, [3.0, 3.0]) == pytest.approx(tokens / 12)
+    costs = busy_costs(delayed, [3.0, 3.0])
+    assert predicted_tokens_per_s(delayed, costs) == pytest.approx(tokens / 12)
     runs = {"1f1b": [dataclasses.replace(fake_run(100, (1, 1)), predicted_tokens_per_s=104.0)]}
     table = cost_model_markdown([summarize("1f1b", runs, None)])
     assert "| 1f1b | 100 | 104 | +4.0% |" in table

@@ -265,6 +265,11 @@ def test_a_pipeline_run_logs_per_stage_scalars_and_ends_with_the_summary_line(tm
             assert [step for step, _ in logged] == [2, 4]  # at the evaluation, at the end
             assert logged[-1][1] == np.float32(report[measure])
         assert report["weight_versions_peak"] == 2  # 2bw
+        # the time of each kind of action, blocked time left out (the cost model's F:B split)
+        (times,) = report["action_s"].values()
+        assert list(report["action_s"]) == [str(report["stage"])]
+        assert {"F", "B", "STEP"} <= times.keys() and min(times.values()) > 0
+        assert sum(times.values()) < report["train_wall_s"] - report["idle_s"]
     last = done.stdout.splitlines()[-1]
     assert last.startswith("nobubble: done: 4 steps in ") and f"run folder: {run}" in last
     assert f"torchrun --nproc-per-node 2 -m nobubble train --resume {run} steps=N" in last

@@ -50,7 +50,9 @@ class RunResult:
     final_loss: float
     stages: list[StageResult]
     bubble_uniform: list[float] | None  # simulator, forward 1 and backward 2 on every stage
-    bubble_timed: list[float] | None  # simulator, each stage's measured busy time (F:B = 1:2)
+    # simulator, each stage's measured busy time split as the run measured its F, B, I and W
+    # (torch's baselines, which measure none: F:B = 1:2)
+    bubble_timed: list[float] | None
     predicted_tokens_per_s: float | None = None  # the cost model, from those stage times
     dp: int = 1
     steps: int = 0  # optimizer steps of the run (M times the others' for pipedream)
@@ -80,36 +82,86 @@ def steady_tokens_per_s(rows: Sequence[dict], skip_tokens: int) -> float:
     return (tokens1 - tokens0) / (t1 - t0)
 
 
-def _simulated(
-    cfg: TrainConfig, stage_costs: Sequence[float], schedule: str | None, chunks: int, steps: int
-) -> SimResult:
-    """``steps`` steps of ``schedule`` (default: ``cfg``'s) in the simulator, a microbatch
-    (F+B) costing ``stage_costs[r]`` on rank r (split equally over its ``chunks`` stages),
-    forward:backward = 1:2, no communication time."""
+@dataclass(frozen=True)
+class ActionCosts:
+    """Seconds per microbatch of each model stage's forward, backward (B, or I + W) and weight
+    gradient (W; None: the simulator's default, half the backward)."""
+
+    fwd: list[float]
+    bwd: list[float]
+    wgrad: list[float] | None = None
+
+
+def busy_costs(
+    cfg: TrainConfig, stage_costs: Sequence[float], schedule: str | None = None, chunks: int = 1
+) -> ActionCosts:
+    """From a microbatch's cost (F+B) on each process, split equally over its ``chunks`` model
+    stages, forward:backward = 1:2."""
+    actions = _generated(cfg, schedule, chunks, 1)
+    return ActionCosts(
+        split_rank_times([cost / 3 for cost in stage_costs], actions),
+        split_rank_times([2 * cost / 3 for cost in stage_costs], actions),
+    )
+
+
+def measured_costs(reports: Sequence[dict], micro_total: int) -> ActionCosts | None:
+    """From the pipeline's measured action times (``action_s`` of each process's report; None
+    where a report has none, as torch's baselines). Each process's busy time is spread over its
+    F, B, I and W in the proportions it measured them, so that what it spent on steps, sends
+    and its loop counts too; replicas of a stage are averaged."""
+    per_stage: dict[int, list[dict[str, float]]] = {}
+    for report in reports:
+        if "action_s" not in report or report["idle_s"] is None:
+            return None
+        kinds = report["action_s"]
+        compute = sum(t for stage in kinds.values() for k, t in stage.items() if k in "FBIW")
+        scale = (report["train_wall_s"] - report["idle_s"]) / compute / micro_total
+        for stage, times in kinds.items():
+            per_stage.setdefault(int(stage), []).append(
+                {k: times.get(k, 0.0) * scale for k in "FBIW"}
+            )
+    stages = [
+        {k: statistics.fmean(r[k] for r in per_stage[s]) for k in "FBIW"} for s in sorted(per_stage)
+    ]
+    split = any(s["W"] > 0 for s in stages)
+    return ActionCosts(
+        [s["F"] for s in stages],
+        [s["B"] + s["I"] + s["W"] for s in stages],
+        [s["W"] for s in stages] if split else None,
+    )
+
+
+def _generated(cfg: TrainConfig, schedule: str | None, chunks: int, steps: int):
     name = schedule or cfg.schedule
-    actions = generate(name, cfg.stages, cfg.microbatches, steps, chunks if chunks > 1 else None)
-    forward = split_rank_times([cost / 3 for cost in stage_costs], actions)
-    backward = split_rank_times([2 * cost / 3 for cost in stage_costs], actions)
-    return simulate(lower(actions), forward, backward)
+    return generate(name, cfg.stages, cfg.microbatches, steps, chunks if chunks > 1 else None)
+
+
+def _simulated(
+    cfg: TrainConfig, costs: ActionCosts, schedule: str | None, chunks: int, steps: int
+) -> SimResult:
+    """``steps`` steps of ``schedule`` (default: ``cfg``'s) in the simulator at ``costs``, no
+    communication time."""
+    actions = _generated(cfg, schedule, chunks, steps)
+    return simulate(lower(actions), costs.fwd, costs.bwd, wgrad=costs.wgrad)
 
 
 def simulated_bubble(
-    cfg: TrainConfig, stage_costs: Sequence[float], schedule: str | None = None, chunks: int = 1
+    cfg: TrainConfig, costs: ActionCosts, schedule: str | None = None, chunks: int = 1
 ) -> list[float]:
     """Per-rank bubble of the run's steps in the simulator (see :func:`_simulated`)."""
-    return _simulated(cfg, stage_costs, schedule, chunks, cfg.steps).bubble_fraction
+    return _simulated(cfg, costs, schedule, chunks, cfg.steps).bubble_fraction
 
 
 def predicted_tokens_per_s(
-    cfg: TrainConfig, stage_costs: Sequence[float], schedule: str | None = None, chunks: int = 1
+    cfg: TrainConfig, costs: ActionCosts, schedule: str | None = None, chunks: int = 1
 ) -> float:
-    """The cost model's steady throughput from measured per-microbatch stage costs (seconds):
-    the simulated time of the run's last step (the makespan of all its steps minus that of one
+    """The cost model's steady throughput from measured per-microbatch action costs: the
+    simulated time of the run's last step (the makespan of all its steps minus that of one
     step fewer), as the measured throughput leaves the first steps out."""
-    last = _simulated(cfg, stage_costs, schedule, chunks, cfg.steps).makespan
+    last = _simulated(cfg, costs, schedule, chunks, cfg.steps).makespan
     before = 0.0
     if cfg.steps > 1:
-        before = _simulated(cfg, stage_costs, schedule, chunks, cfg.steps - 1).makespan
+        before = _simulated(cfg, costs, schedule, chunks, cfg.steps - 1).makespan
     return cfg.batch_size * cfg.seq_len / (last - before)
 
 
@@ -185,9 +237,13 @@ def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
     timed = uniform = predicted = None
     if simulated is not None:
         name, chunks = simulated["schedule"], simulated["chunks"]
-        uniform = simulated_bubble(cfg, [3.0] * cfg.stages, name, chunks)
-        if all(b is not None for b in busy):
-            costs = [b / micro_total for b in busy]
+        uniform = simulated_bubble(
+            cfg, busy_costs(cfg, [3.0] * cfg.stages, name, chunks), name, chunks
+        )
+        costs = measured_costs(summary["stages"], micro_total)
+        if costs is None and all(b is not None for b in busy):
+            costs = busy_costs(cfg, [b / micro_total for b in busy], name, chunks)
+        if costs is not None:
             timed = simulated_bubble(cfg, costs, name, chunks)
             predicted = predicted_tokens_per_s(cfg, costs, name, chunks)
     losses = [r["train_loss"] for r in rows if "train_loss" in r]

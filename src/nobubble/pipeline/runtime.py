@@ -135,6 +135,8 @@ class PipelineEngine:
         self.step = 0
         self.micro_per_step = cfg.microbatches  # pipedream: 1, which the config enforces
         self.train_wall_s = self.train_idle_s = 0.0
+        # per (model stage, action kind): time spent running its actions, blocked time left out
+        self.action_s: dict[tuple[int, ActionKind], float] = {}
         self.peer_stop = False  # leader: a rank asked to stop in the last steps of a segment
 
     def barrier(self) -> None:
@@ -170,14 +172,26 @@ class PipelineEngine:
                     continue
             run.finish_update_before(action)
             run.post_receives(actions, index)
+            began, blocked = time.perf_counter(), self.blocked_s()
             with action_label(action):
                 run.execute(action)
+            took = time.perf_counter() - began - (self.blocked_s() - blocked)
+            key = (action.stage, action.kind)
+            self.action_s[key] = self.action_s.get(key, 0.0) + took
             index += 1
         run.finish_updates()
         run.count_remaining_votes()
         self.messenger.drain()
         self.train_wall_s += time.perf_counter() - started
         self.train_idle_s += self.messenger.waited_s - waited
+
+    def blocked_s(self) -> float:
+        """Time blocked so far on pipeline peers, data-parallel and tied all-reduces."""
+        blocked = self.messenger.waited_s
+        for held in self.held.values():
+            blocked += held.reduction.waited_s if held.reduction else 0.0
+            blocked += held.tied.waited_s if held.tied else 0.0
+        return blocked
 
     def stage_reports(self, digests: bool = True) -> list[dict[str, float]] | None:
         """Every rank's idle time and memory, gathered on the leader (a collective call), so far
@@ -197,6 +211,9 @@ class PipelineEngine:
         tied = [h for h in held if h.tied]
         idle = self.train_idle_s + sum(r.waited_s for r in reductions)
         idle += sum(h.tied.waited_s for h in tied)
+        action_s: dict[str, dict[str, float]] = {}
+        for (stage, kind), seconds in sorted(self.action_s.items()):
+            action_s.setdefault(str(stage), {})[kind.value] = seconds
         report = {
             "stage": self.layout.pp_rank,
             "stages": list(self.layout.stages),
@@ -208,6 +225,7 @@ class PipelineEngine:
             "peak_mem_mb": peak_memory_mb(self.device),
             "param_mb": sum(h.param_mb() for h in held),
             "weight_versions_peak": max(h.versions_peak for h in held),
+            "action_s": action_s,
         }
         if digests:
             report["weights_sha256"] = weights_digest(self.newest_weights())
