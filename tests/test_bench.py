@@ -42,7 +42,7 @@ from nobubble.bench.report import (
     targets,
 )
 from nobubble.bench.torch_worker import P2PWaitClock, torch_schedules
-from nobubble.bench.variants import VARIANTS, Shape, command
+from nobubble.bench.variants import VARIANTS, Shape, command, twin
 from nobubble.config import ConfigError, TrainConfig, build_config
 
 
@@ -91,21 +91,30 @@ def test_measured_action_times_split_each_process_s_busy_time():
     Each one's busy time (wall - idle) is spread over its F, I and W in the measured proportions
     (its STEP time included), per microbatch."""
     reports = [
-        {"train_wall_s": 14.0, "idle_s": 2.0, "action_s": {
+        {"stage": 0, "replica": 0, "train_wall_s": 14.0, "idle_s": 2.0, "action_s": {
             "0": {"F": 1.0, "I": 1.0, "W": 1.0, "STEP": 0.5},
             "2": {"F": 1.0, "I": 1.0, "W": 1.0},
         }},
-        {"train_wall_s": 14.0, "idle_s": 8.0, "action_s": {"1": {"F": 1.0, "I": 2.0, "W": 1.0}}},
+        {"stage": 1, "replica": 0, "train_wall_s": 14.0, "idle_s": 8.0,
+         "action_s": {"1": {"F": 1.0, "I": 2.0, "W": 1.0}}},
     ]  # fmt: skip
     costs = measured_costs(reports, micro_total=2)
     assert costs.fwd == pytest.approx([1.0, 0.75, 1.0])  # 12 s over 6 s measured, 6 s over 4 s
     assert costs.bwd == pytest.approx([2.0, 2.25, 2.0])  # I + W
     assert costs.wgrad == pytest.approx([1.0, 0.75, 1.0])
-    unsplit = [{"train_wall_s": 4.0, "idle_s": 1.0, "action_s": {"0": {"F": 1.0, "B": 1.0}}}]
+    unsplit = [{"stage": 0, "replica": 0, "train_wall_s": 4.0, "idle_s": 1.0,
+                "action_s": {"0": {"F": 1.0, "B": 1.0}}}]  # fmt: skip
     assert measured_costs(unsplit, micro_total=1) == dataclasses.replace(
         costs, fwd=[1.5], bwd=[1.5], wgrad=None
     )
-    assert measured_costs([{"train_wall_s": 4.0, "idle_s": 1.0}], micro_total=1) is None
+    torch_run = [{"stage": 0, "replica": 0, "train_wall_s": 4.0, "idle_s": 1.0}]  # no action_s
+    assert measured_costs(torch_run, micro_total=1) is None
+    ours = [{"stage": 0, "replica": 0, "action_s": {"0": {"F": 2.0, "B": 4.0}}}]
+    borrowed = measured_costs(torch_run, micro_total=1, like=ours)  # torch's 3 s split 1:2
+    assert (borrowed.fwd, borrowed.bwd) == (pytest.approx([1.0]), pytest.approx([2.0]))
+    assert twin(VARIANTS["torch-interleaved-1f1b"]) == "interleaved-1f1b"
+    assert twin(VARIANTS["torch-1f1b"]) == "1f1b"
+    assert twin(VARIANTS["torch-interleaved-zb"]) is None and twin(VARIANTS["1f1b"]) is None
 
 
 def test_pipedream_runs_the_same_microbatches_as_microbatch_sized_steps():

@@ -104,16 +104,20 @@ def busy_costs(
     )
 
 
-def measured_costs(reports: Sequence[dict], micro_total: int) -> ActionCosts | None:
-    """From the pipeline's measured action times (``action_s`` of each process's report; None
-    where a report has none, as torch's baselines). Each process's busy time is spread over its
-    F, B, I and W in the proportions it measured them, so that what it spent on steps, sends
-    and its loop counts too; replicas of a stage are averaged."""
+def measured_costs(
+    reports: Sequence[dict], micro_total: int, like: Sequence[dict] | None = None
+) -> ActionCosts | None:
+    """From the pipeline's measured action times (``action_s`` of each process's report). Each
+    process's busy time is spread over its F, B, I and W in the proportions it measured them, so
+    that what it spent on steps, sends and its loop counts too; replicas of a stage are
+    averaged. A report without action times (torch's baselines) takes those of the report of
+    the same process in ``like`` (a run of ours in the same order); None if there is none."""
+    twins = {(r["stage"], r["replica"]): r.get("action_s") for r in like or []}
     per_stage: dict[int, list[dict[str, float]]] = {}
     for report in reports:
-        if "action_s" not in report or report["idle_s"] is None:
+        kinds = report.get("action_s") or twins.get((report["stage"], report.get("replica", 0)))
+        if kinds is None or report["idle_s"] is None:
             return None
-        kinds = report["action_s"]
         compute = sum(t for stage in kinds.values() for k, t in stage.items() if k in "FBIW")
         scale = (report["train_wall_s"] - report["idle_s"]) / compute / micro_total
         for stage, times in kinds.items():
@@ -221,8 +225,10 @@ def ring_traffic_mb(bucket_mb: float, dp: int) -> float:
     return 2 * (dp - 1) / dp * bucket_mb
 
 
-def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
-    """The figures of one finished run; its first ``skip_tokens`` tokens count as warm-up."""
+def read_run(run_dir: Path, skip_tokens: int, like: Sequence[dict] | None = None) -> RunResult:
+    """The figures of one finished run; its first ``skip_tokens`` tokens count as warm-up.
+    ``like``: the per-process reports of a run of ours in the same order, whose measured action
+    times stand in where this run has none (see :func:`measured_costs`)."""
     cfg = build_config(json.loads((run_dir / "config.json").read_text()))
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -240,7 +246,7 @@ def read_run(run_dir: Path, skip_tokens: int) -> RunResult:
         uniform = simulated_bubble(
             cfg, busy_costs(cfg, [3.0] * cfg.stages, name, chunks), name, chunks
         )
-        costs = measured_costs(summary["stages"], micro_total)
+        costs = measured_costs(summary["stages"], micro_total, like)
         if costs is None and all(b is not None for b in busy):
             costs = busy_costs(cfg, [b / micro_total for b in busy], name, chunks)
         if costs is not None:

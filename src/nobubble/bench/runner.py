@@ -12,7 +12,7 @@ from typing import Any
 from nobubble.bench.load import ForeignLoad
 from nobubble.bench.measure import RunResult, read_run
 from nobubble.bench.report import Results
-from nobubble.bench.variants import Shape, Variant, command
+from nobubble.bench.variants import VARIANTS, Shape, Variant, command, twin
 
 BUSY_CORES = 0.1  # CPU use of other processes above which a timed run counts as disturbed
 # glibc gives every allocation of 64 KiB or more its own mapping and unmaps it when freed, so
@@ -108,7 +108,7 @@ def run_timed(
             info = timed_run(variant, shape.processes, out, settings, args.busy_retries)
             result: RunResult = read_run(out, skip_tokens)
             results[variant.name].append(result)
-            log.append({"repeat": repeat, "variant": variant.name, **info})
+            log.append({"repeat": repeat, "variant": variant.name, "out": out, **info})
             others = "n/a" if info["foreign_cores"] is None else f"{info['foreign_cores']:.2f}"
             steal = "" if info["steal_cores"] is None else f", steal {info['steal_cores']:.2f}"
             print(
@@ -116,7 +116,22 @@ def run_timed(
                 f" tokens/s  (other processes: {others} cores{steal})",
                 file=sys.stderr,
             )
+    _predict_baselines(results, log, skip_tokens)
+    for entry in log:
+        del entry["out"]
     return results, log
+
+
+def _predict_baselines(results: Results, log: list[dict], skip_tokens: int) -> None:
+    """Read torch's baseline runs again with the action times of our run of the same order and
+    repeat (:func:`nobubble.bench.variants.twin`), where that ran too."""
+    folders = {(entry["variant"], entry["repeat"]): entry["out"] for entry in log}
+    for name, runs in results.items():
+        ours = twin(VARIANTS[name]) if name in VARIANTS else None
+        if ours not in results:
+            continue
+        for repeat, twin_run in enumerate(results[ours]):
+            runs[repeat] = read_run(folders[name, repeat], skip_tokens, twin_run.ranks)
 
 
 def run_memory_pass(

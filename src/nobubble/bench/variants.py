@@ -43,6 +43,16 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+def twin(variant: Variant) -> str | None:
+    """Our variant that runs a torch baseline's order (None for ours, or for an order we do not
+    run): torch's runtime reports no per-action times, so the cost model borrows that variant's
+    measured split of each process's time over its model stages and action kinds."""
+    if variant.backend == NOBUBBLE:
+        return None
+    order = variant.worker or variant.schedule
+    return order if order in VARIANTS and VARIANTS[order].backend == NOBUBBLE else None
+
+
 # --options: the speed and memory options a variant can be measured with, and their settings
 OPTIONS = {"compile": "compile=true", "ac": "activation_checkpointing=true"}
 OPTION_ALIASES = {"activation_checkpointing": "ac"}
