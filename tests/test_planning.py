@@ -27,6 +27,8 @@ def test_stage_costs_by_hand():
     assert (first.blocks, last.blocks) == (1, 1)
     assert first.forward_flops == block_flops * tokens
     assert last.forward_flops == (block_flops + 2 * 64 * 100) * tokens
+    assert first.weight_flops == 2 * block_weights * tokens  # W: no attention scores
+    assert last.weight_flops == (2 * block_weights + 2 * 64 * 100) * tokens
     assert first.parameters == block_weights + 2 * 64 + 64 * 100  # + 2 norms, the embedding
     assert last.parameters == block_weights + 2 * 64 + 64 + 64 * 100  # + final norm, head
     assert first.activation_bytes == 34 * tokens * 64

@@ -1,8 +1,11 @@
 """What one stage costs: compute time per microbatch, message size, weights and activations.
 
 Compute follows nobubble.flops (matmul FLOPs, backward twice the forward, attention over all T
-keys) at a stated MFU; a split backward's weight-gradient half (W) is half of it, the share of
-the matmuls' weight gradients. Memory is counted in bytes per parameter and per activation:
+keys) at a stated MFU; a split backward's weight-gradient part (W) is the matmuls' weight
+gradients, as many FLOPs as their forward, so the attention's backward (scores and weighted
+sum, which have no weights) is all in I. On the CPU benchmark W measured a third of the backward
+(docs/benchmarks.md), below this FLOP share (0.42 there): the rest of I is not matmuls.
+Memory is counted in bytes per parameter and per activation:
 
 * weights, gradients and optimizer state: mixed-precision AdamW as Megatron-LM keeps it, 2 bytes
   per BF16 weight copy (one per weight version the schedule holds), 4 for the FP32 gradient and
@@ -34,6 +37,7 @@ class StageCost:
     embedding: bool
     head: bool
     forward_flops: float  # per microbatch
+    weight_flops: float  # the weight-gradient matmuls of one microbatch (W)
     parameters: int
     activation_bytes: float  # per microbatch in flight
     message_bytes: float
@@ -52,8 +56,9 @@ def stage_costs(
     costs = []
     for spec in partition(mc.n_layers, stages):
         blocks = len(spec.blocks)
-        flops = sum(2 * block_matmul_weights(mc, i) + attention_flops for i in spec.blocks)
-        flops += 2 * d * vocab if spec.has_head else 0
+        matmuls = sum(2 * block_matmul_weights(mc, i) for i in spec.blocks)
+        matmuls += 2 * d * vocab if spec.has_head else 0
+        flops = matmuls + attention_flops * blocks
         params = sum(block_parameters(mc, i) for i in spec.blocks)
         params += d * vocab if spec.has_embed else 0
         if spec.has_head:  # a tied head on another stage than the embedding holds its own copy
@@ -66,6 +71,7 @@ def stage_costs(
                 embedding=spec.has_embed,
                 head=spec.has_head,
                 forward_flops=flops * tokens,
+                weight_flops=matmuls * tokens,
                 parameters=params,
                 activation_bytes=activations,
                 message_bytes=MESSAGE_BYTES * tokens * d,

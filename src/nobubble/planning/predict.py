@@ -72,11 +72,12 @@ def predict(plan: Plan, schedule: str) -> Prediction:
     flops_per_s = plan.device.peak_tflops * 1e12 * plan.mfu
     fwd = [c.forward_flops / flops_per_s for c in costs]
     bwd = [2 * f for f in fwd]
+    wgrad = [c.weight_flops / flops_per_s for c in costs]
     comm = plan.p2p.latency_us * 1e-6 + costs[0].message_bytes / (plan.p2p.gb_per_s * 1e9)
 
     def run(steps: int):
         actions = generate(schedule, plan.stages, plan.microbatches, steps, chunks)
-        return simulate(lower(actions), fwd=fwd, bwd=bwd, comm=comm, wgrad=fwd)
+        return simulate(lower(actions), fwd=fwd, bwd=bwd, comm=comm, wgrad=wgrad)
 
     two, three = run(2), run(3)
     pipeline_s = three.makespan - two.makespan
