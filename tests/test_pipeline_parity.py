@@ -21,6 +21,8 @@ CASES = [
     pytest.param(2, "2bw", 4, ["optim=muon", "ef=true"], marks=EXTENDED),
     (2, "pipedream", 1, ["optim=muon"]),
     (3, "zb-h1", 4, ["optim=adamw"]),  # ranks 1 and 2 keep W's pending, run them later
+    # M = 2P: rank 0 runs the next step's forwards while rank 1 still runs its kept-back W's
+    (2, "zb-h2", 4, ["optim=adamw"]),
     # two model stages per process (0, 2 and 1, 3): per-stage clipping over 4 stages, tied
     # copies on stages 0 and 3 (processes 0 and 1)
     (2, "interleaved-1f1b", 4, ["optim=muon", "tie_embeddings=true"]),
@@ -69,12 +71,13 @@ def test_every_optimizer_runs_the_real_pipeline_exactly(tmp_path, optim):
 
 
 @pytest.mark.parametrize(
-    ("schedule", "extra"), [("gpipe", []), ("zb-h1", []), ("interleaved-1f1b", ["chunks=3"])]
+    ("schedule", "extra"),
+    [("gpipe", []), ("zb-h1", []), ("zb-h2", []), ("interleaved-1f1b", ["chunks=3"])],
 )
 def test_sync_pipelines_equal_plain_gradient_accumulation(tmp_path, schedule, extra):
     """Without clipping (the only per-stage rule) a synchronous pipeline is the plain model;
-    zb-h1's split backward (I now, W later, in another order) and interleaved-1f1b's three model
-    stages per process included."""
+    zb-h1's and zb-h2's split backward (I now, W later, in another order; zb-h2's next step
+    overlapping this one's W's) and interleaved-1f1b's three model stages per process included."""
     common = ["microbatches=4", "steps=5", "grad_clip=0", "optim=adamw"]
     nobubble(tmp_path / "pipeline", f"schedule={schedule}", "stages=2", *extra, *common, stages=2)
     nobubble(tmp_path / "plain", "schedule=sync", "stages=1", *common)

@@ -32,6 +32,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("2bw+ef", "2bw", extra=("ef=true",)),
         Variant("pipedream", "pipedream"),
         Variant("zb-h1", "zb-h1"),
+        Variant("zb-h2", "zb-h2"),
         Variant("interleaved-1f1b", "interleaved-1f1b"),  # 2 model stages per process
         Variant("torch-gpipe", "gpipe", TORCH),
         Variant(BASELINE, "1f1b", TORCH),

@@ -13,6 +13,10 @@ which weight version each forward uses (the schedule's registry spec says which)
   split into I (input gradient, on the critical path) and W (weight gradient, which can wait);
   rank r keeps up to r W's pending and runs them while it would otherwise wait for a gradient,
   so at most P microbatches are in flight on any rank, as on 1F1B's first rank.
+* ZB-H2 (same paper): 2(P-1-r)+1 warm-up forwards and up to 2r W's pending, so every rank holds
+  up to 2P microbatches. With F = I = W its steady step is 3M, no bubble, once M >= 2P: a
+  stage's STEP waits for its own W's only, so the first stages start the next step's forwards
+  while the last ones still run the W's they kept back, and those fill the wait for them.
 """
 
 from __future__ import annotations
@@ -63,25 +67,31 @@ def interleaved_order(rank: int, ranks: int, chunks: int, microbatches: range) -
     return order
 
 
+def zero_bubble_order(stage: int, microbatches: range, warmup: int, pending: int) -> Order:
+    """``warmup`` forwards, then one forward and one I at a time, each W after the I that makes
+    it pending beyond ``pending`` W's, the last ones at the end of the step."""
+    n = len(microbatches)
+    warmup = min(warmup, n)
+    order: Order = [(F, stage, microbatches[i]) for i in range(warmup)]
+    waiting: list[int] = []
+    for i in range(n):
+        if i + warmup < n:
+            order.append((F, stage, microbatches[i + warmup]))
+        order.append((I, stage, microbatches[i]))
+        waiting.append(microbatches[i])
+        while len(waiting) > pending:
+            order.append((W, stage, waiting.pop(0)))
+    return order + [(W, stage, k) for k in waiting]
+
+
 def zero_bubble_h1_order(stage: int, stages: int, microbatches: range) -> Order:
-    """ZB-H1 at stage s (one stage per rank): 1F1B's F/I order, each W after the I that makes
-    it pending beyond s pending W's, the last s W's at the end of the step."""
-    order: Order = []
-    pending: list[int] = []
+    """ZB-H1 at stage s (one stage per rank): 1F1B's F/I order, s W's kept pending."""
+    return zero_bubble_order(stage, microbatches, stages - 1 - stage, stage)
 
-    def input_gradient(k: int) -> None:
-        order.append((I, stage, k))
-        pending.append(k)
-        while len(pending) > stage:
-            order.append((W, stage, pending.pop(0)))
 
-    for kind, _, k in one_f_one_b_order(stage, stages, microbatches):
-        if kind is F:
-            order.append((F, stage, k))
-        else:
-            input_gradient(k)
-    order += [(W, stage, k) for k in pending]
-    return order
+def zero_bubble_h2_order(stage: int, stages: int, microbatches: range) -> Order:
+    """ZB-H2 at stage s: 2(P-1-s)+1 warm-up forwards, 2s W's kept pending."""
+    return zero_bubble_order(stage, microbatches, 2 * (stages - 1 - stage) + 1, 2 * stage)
 
 
 def _emit(
@@ -138,6 +148,8 @@ def _rank_order(
         return interleaved_order(rank, ranks, chunks, microbatches)
     if spec.order == "zb-h1":
         return zero_bubble_h1_order(rank, ranks, microbatches)
+    if spec.order == "zb-h2":
+        return zero_bubble_h2_order(rank, ranks, microbatches)
     return one_f_one_b_order(rank, ranks, microbatches)
 
 

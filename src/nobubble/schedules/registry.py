@@ -41,6 +41,10 @@ def _zero_bubble_activations(rank: int, ranks: int, microbatches: int, chunks: i
     return ranks  # 1F1B's P-r, and up to r forwards whose W waits
 
 
+def _zero_bubble_h2_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
+    return min(2 * ranks, microbatches)  # 2(P-1-r)+1 warm-up, one more, up to 2r W's waiting
+
+
 def _interleaved_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
     warmup = 2 * (ranks - 1 - rank) + (chunks - 1) * ranks  # counted per stage (1/v of a rank)
     return min(warmup + 1, microbatches * chunks)
@@ -76,7 +80,7 @@ def _at_least_stages(stages: int, microbatches: int) -> str | None:
 class ScheduleSpec:
     name: str
     summary: str
-    order: str  # microbatch order per rank: gpipe, 1f1b, interleaved or zb-h1 (generators.py)
+    order: str  # microbatch order per rank: gpipe, 1f1b, interleaved, zb-h1, zb-h2 (generators.py)
     flushes: bool  # synchronous: every step's gradients are computed at the weights it updates
     # 2bw: every forward of step t uses version t-1, even once version t exists (double buffer);
     # otherwise a forward uses the newest version the stage holds
@@ -177,6 +181,16 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             order="zb-h1",
             flushes=True,
             activation_rule=_zero_bubble_activations,
+            split_backward=True,
+        ),
+        ScheduleSpec(
+            "zb-h2",
+            "zero-bubble H2: more warm-up forwards and up to 2s weight gradients kept back, "
+            "so the next step's forwards overlap this step's weight gradients; twice ZB-H1's "
+            "activations; flush before each step (per stage)",
+            order="zb-h2",
+            flushes=True,
+            activation_rule=_zero_bubble_h2_activations,
             split_backward=True,
         ),
     )
