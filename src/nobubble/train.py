@@ -40,6 +40,7 @@ from nobubble.model import ModelConfig, model_config
 from nobubble.moe import routing_metrics
 from nobubble.optim.named_state import NamedStateError
 from nobubble.profiling import profiled
+from nobubble.provenance import provenance
 from nobubble.resume import open_run, resume_command, tokenizer_digest
 from nobubble.runfolder import RunFolder
 from nobubble.tracking import Loggers, open_loggers, scalars_of, stage_scalars
@@ -357,6 +358,7 @@ def run_summary(
         "train_s": elapsed.train_s,
         "steps": engine.step,
         "peak_mem_mb": peak_memory_mb(engine.device),
+        "code": provenance(),
     }
     if usage.peak_tflops is not None:
         summary |= {"peak_tflops": usage.peak_tflops, "mfu": usage.mfu(rate)}

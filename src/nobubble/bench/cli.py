@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -16,7 +15,6 @@ from typing import Any
 
 import torch
 
-import nobubble
 from nobubble.bench.report import (
     dp_markdown,
     markdown,
@@ -45,6 +43,7 @@ from nobubble.bench.variants import (
 )
 from nobubble.config import ConfigError, build_config, parse_overrides
 from nobubble.destinations import check_output_file, make_output_folder
+from nobubble.provenance import provenance
 
 # The measured configuration of docs/benchmarks.md, and a seconds-long smoke run.
 DEFAULTS = dict(
@@ -158,18 +157,6 @@ def common_settings(args: argparse.Namespace) -> list[str]:
     return ours + list(args.overrides)
 
 
-def source_revision() -> str | None:
-    """The git commit of the measured nobubble source (``-dirty`` with local changes)."""
-    package = Path(nobubble.__file__).parent
-    try:
-        done = subprocess.run(
-            ["git", "describe", "--always", "--dirty"], cwd=package, capture_output=True, text=True
-        )
-    except OSError:  # no git
-        return None
-    return done.stdout.strip() or None
-
-
 def machine() -> dict[str, Any]:
     cpu = platform.processor()
     cpuinfo = Path("/proc/cpuinfo")
@@ -184,9 +171,8 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cpu": cpu,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
         "python": platform.python_version(),
-        "nobubble": source_revision(),
+        **provenance(),
     }
 
 
