@@ -114,6 +114,8 @@ class MoE(nn.Module):
         out = (routed.view(n, k, -1) * gates.unsqueeze(-1).to(routed.dtype)).sum(dim=1)
         if self.shared is not None:
             out = out + self.shared(flat)
+        if not torch.is_grad_enabled():  # an evaluation: no backward to tap, nothing recorded
+            return out.view(shape)
         aux = e * (loads.float() / (n * k) * probs.mean(dim=0)).sum()
         with torch.no_grad():
             entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
