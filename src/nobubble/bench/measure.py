@@ -51,7 +51,7 @@ class RunResult:
     stages: list[StageResult]
     bubble_uniform: list[float] | None  # simulator, forward 1 and backward 2 on every stage
     # simulator, each stage's measured busy time split as the run measured its F, B, I and W
-    # (torch's baselines, which measure none: F:B = 1:2)
+    # (torch's baselines measure none: as our run of the same order did, else F:B = 1:2)
     bubble_timed: list[float] | None
     predicted_tokens_per_s: float | None = None  # the cost model, from those stage times
     dp: int = 1
