@@ -52,33 +52,19 @@ def train_command(*args: str, stages: int = 0, torchrun_args: tuple[str, ...] = 
     return [*launcher, "train", "--no-progress", *args]
 
 
-def nobubble(
-    out: Path,
-    *args: str,
-    stages: int = 0,
-    timeout: int = 300,
-    check: bool = True,
-    torchrun: bool = False,
-):
-    """Train into ``out`` with the small settings, wait, and return the finished process.
-
-    The process (``stages`` processes, with torchrun's environment) is forked from the tests'
-    preloaded server (:mod:`tests.launcher`); ``torchrun=True`` starts it as a user would:
-    ``python -m nobubble``, or torchrun with ``stages`` processes."""
-    argv = ["--out", str(out), *SMALL, *args]
-    result = run_train(*argv, stages=stages, timeout=timeout, torchrun=torchrun)
+def nobubble(out: Path, *args: str, stages: int = 0, timeout: int = 300, check: bool = True):
+    """Train into ``out`` with the small settings, wait, and return the finished process (see
+    :func:`run_train` for how it is started)."""
+    result = run_train("--out", str(out), *SMALL, *args, stages=stages, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(result.args)} failed:\n{result.stdout}\n{result.stderr}")
     return result
 
 
-def run_train(
-    *args: str, stages: int = 0, timeout: int = 300, torchrun: bool = False
-) -> subprocess.CompletedProcess:
-    """``nobubble train ARGS``, finished (see :func:`nobubble` for how it is started)."""
-    if torchrun:
-        command = train_command(*args, stages=stages)
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env())
+def run_train(*args: str, stages: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``nobubble train ARGS``, finished: one process, or ``stages`` with torchrun's environment,
+    forked from the tests' preloaded server (:mod:`tests.launcher`). The tests of torchrun itself
+    launch it with :func:`train_command`."""
     return run_nobubble(["train", "--no-progress", *args], stages, timeout, env())
 
 
