@@ -406,6 +406,19 @@ def test_missing_send_is_a_deadlock():
     ]
 
 
+def test_messages_received_out_of_send_order_are_reported():
+    # gloo's tags would pair them; NCCL pairs the n-th send with the n-th receive
+    lowered = lower(generate("gpipe", 2, 2, 1))
+    stage1 = lowered[1]  # RECV_ACT0, F0, RECV_ACT1, F1, then the backwards
+    assert [a.kind for a in stage1[:4]] == [K.RECV_ACT, K.F, K.RECV_ACT, K.F]
+    lowered[1] = [*stage1[2:4], *stage1[0:2], *stage1[4:]]  # forwards of microbatch 1 first
+    simulate(lowered)  # runs: tags pair the messages
+    assert check_invariants(lowered, "gpipe") == [
+        "stage 0 sends its act messages to stage 1 for microbatches [0, 1], stage 1 receives "
+        "them as [1, 0]: a transport without tags (NCCL) would pair them wrongly"
+    ]
+
+
 def test_wrong_delay_is_reported():
     # 1F1B's actions claimed as 2bw: the gradients are fresh, not one version old
     problems = check_invariants(generate("1f1b", 2, 2, 2), "2bw")

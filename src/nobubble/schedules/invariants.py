@@ -8,6 +8,9 @@
   the flushing schedules, d = 1 for 2bw (w[t+1] = w[t] - Δ(g(w[t-1])), w[-1] = w[0]) and
   d = P-1-s at stage s for pipedream. The max() is the start of the run, where the older version
   does not exist.
+* Between two model stages, the messages of each kind (activations, gradients) are received in
+  the order they are sent: what a transport without tags (NCCL) needs, since it pairs the n-th
+  send with the n-th receive (``nobubble.pipeline.routes``).
 * A stage holds at most d + 1 weight versions (its weight stash), and a rank at most the
   activations its schedule's registry spec allows (activation_budget).
 """
@@ -68,6 +71,31 @@ def _gradient_delays(stage_actions: list[Action], delay: int) -> list[str]:
     return problems
 
 
+def _edge_order(lowered: Schedule) -> list[str]:
+    """Every stage edge's messages of each kind received in the order they are sent."""
+    sent: dict[tuple[str, int, int], list[int | None]] = {}
+    received: dict[tuple[str, int, int], list[int | None]] = {}
+    for rank in lowered:
+        for a in rank:
+            if a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
+                sent.setdefault((a.kind.removeprefix("SEND_"), a.stage, a.peer), []).append(
+                    a.microbatch
+                )
+            elif a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
+                received.setdefault((a.kind.removeprefix("RECV_"), a.peer, a.stage), []).append(
+                    a.microbatch
+                )
+    return [
+        f"stage {sender} sends its {what.lower()} messages to stage {receiver} for microbatches "
+        f"{order}, stage {receiver} receives them as {received.get(edge)}: a transport "
+        "without tags (NCCL) would pair them wrongly"
+        for edge, order in sent.items()
+        for what, sender, receiver in [edge]
+        # the same messages in another order (a missing one is the simulator's deadlock)
+        if received.get(edge) != order and sorted(received.get(edge, [])) == sorted(order)
+    ]
+
+
 def check_invariants(
     actions: Schedule, schedule: str, result: SimResult | None = None
 ) -> list[str]:
@@ -85,11 +113,13 @@ def check_invariants(
     for s in range(stages):
         stage_actions = [a for rank in actions for a in rank if a.stage == s]
         problems += _gradient_delays(stage_actions, spec.delay(s, stages))
-    if result is None:
-        try:
-            result = simulate(actions if is_lowered(actions) else lower(actions))
-        except ScheduleError as exc:  # deadlock or malformed
-            return [*problems, str(exc)]
+    try:
+        lowered = actions if is_lowered(actions) else lower(actions)
+        problems += _edge_order(lowered)
+        if result is None:
+            result = simulate(lowered)
+    except ScheduleError as exc:  # deadlock or malformed
+        return [*problems, str(exc)]
     problems += result.violations
     ranks = len(actions)
     per_step = sum(
