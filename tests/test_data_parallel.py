@@ -66,7 +66,7 @@ CASES = [
     pytest.param(2, "gpipe", 2, ["optim=muon"], marks=EXTENDED),
     pytest.param(2, "2bw", 2, ["optim=adamw"], marks=EXTENDED),  # the ef case's path, less EF
     (2, "2bw", 2, ["optim=adamw", "ef=true"]),
-    (2, "2bw", 2, ["optim=muon"]),
+    (2, "2bw", 2, ["optim=muon", "p2p_routes=per-edge"]),  # NCCL's routes, per replica
     pytest.param(2, "2bw", 2, ["optim=muon", "ef=true"], marks=EXTENDED),
     (2, "pipedream", 1, ["optim=adamw"]),
     # two model stages a process, the tied copies' all-reduce beside the replicas'

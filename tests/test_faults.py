@@ -160,12 +160,13 @@ def _peer_that_never_sends(rank: int, port: int, timeout_s: float, leave: bool, 
 
     from nobubble.layout import ParallelLayout
     from nobubble.pipeline.comm import Channel, Messenger, PeerFailure
+    from nobubble.pipeline.routes import Routes
 
     limit = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=limit)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=limit)
     if rank == 0:
-        messenger = Messenger(ParallelLayout(pp=2, rank=rank), timeout_s)
+        messenger = Messenger(ParallelLayout(pp=2, rank=rank), timeout_s, Routes())
         try:
             messenger.recv(
                 (2,),

@@ -220,6 +220,12 @@ class TrainConfig:
     p2p_timeout_s: float = _opt(
         300.0, "pipeline: fail if a stage waits longer for a peer", POSITIVE
     )
+    p2p_routes: str = _opt(
+        "auto",
+        "pipeline: process groups of the messages: shared (one group; gloo honours tags) | "
+        "per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | auto "
+        "(shared on gloo, per-edge otherwise)",
+    )
     embed_cost: float = _opt(1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE)
     head_cost: float = _opt(
         1.0, "partition weight of the final norm + head, in blocks", NON_NEGATIVE
@@ -457,6 +463,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
     _choice("dtype", cfg.dtype, DTYPES)
     _choice("device", cfg.device, DEVICES)
+    _choice("p2p_routes", cfg.p2p_routes, ("auto", "shared", "per-edge"))
     _choice("bin_dtype", cfg.bin_dtype, ("uint16", "uint32"))
     _choice("muon_adjust_lr", cfg.muon_adjust_lr, ("match_rms_adamw", "original"))
     _choice("wandb_mode", cfg.wandb_mode, ("online", "offline"))

@@ -37,7 +37,7 @@ from nobubble.tracking import require_loggers
 SAFE_TO_CHANGE = frozenset(
     {
         "steps", "eval_every", "eval_batches", "log_every", "checkpoint_every",
-        "keep_checkpoints", "out", "name", "progress", "threads", "p2p_timeout_s",
+        "keep_checkpoints", "out", "name", "progress", "threads", "p2p_timeout_s", "p2p_routes",
         "nonfinite_patience", "device", "logger", "wandb_project", "wandb_mode", "peak_tflops",
         "profile_steps", "compile", "activation_checkpointing", "init_from",
     }

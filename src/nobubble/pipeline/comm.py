@@ -4,7 +4,8 @@ Every message has a channel (activation, gradient, step statistics, evaluation, 
 sequence number (the microbatch or step) and, where a process holds several model stages, the
 chunk of the stage it is for; together they form the p2p tag, so messages can be posted in any
 order. Sends are asynchronous (their tensors are kept alive until they complete);
-receives are posted early and waited for where their data is consumed.
+receives are posted early and waited for where their data is consumed. Which process group
+carries a message is the :class:`~nobubble.pipeline.routes.Routes`' choice (NCCL ignores tags).
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import datetime
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
 from nobubble.profiling import label
+
+if TYPE_CHECKING:
+    from nobubble.pipeline.routes import Routes
 
 
 class Channel(enum.IntEnum):
@@ -49,6 +54,7 @@ class PendingRecv:
     what: str
     channel: Channel
     sequence: int
+    device: torch.device  # where the receiver wants it (the buffer may be on the CPU)
 
     def __str__(self) -> str:
         """What it brings, short (the profiler's label of its wait): ``activation mb5``,
@@ -68,7 +74,7 @@ class Messenger:
     """Asynchronous sends and receives of one stage, with a timeout on every wait.
 
     Peers are named by their stage in this rank's pipeline replica (or in the replica given); the
-    layout maps them to ranks.
+    layout maps them to ranks, ``routes`` to the process group that carries each message.
 
     A send's tensor must stay alive until the send completes, and gloo reports completion only
     through ``wait()``; so at most ``SEND_WINDOW`` sends stay outstanding and beyond that the
@@ -76,8 +82,8 @@ class Messenger:
     this deep is far older than any message a peer could still be waiting for first).
     """
 
-    def __init__(self, layout: ParallelLayout, timeout_s: float) -> None:
-        self.layout = layout
+    def __init__(self, layout: ParallelLayout, timeout_s: float, routes: Routes) -> None:
+        self.layout, self.routes = layout, routes
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.waited_s = 0.0  # time blocked on peers: the stage's idle time
@@ -94,9 +100,12 @@ class Messenger:
         """Send ``tensor`` to model stage ``peer``; ``chunk``: which of the receiving process's
         stages it is for (the receiver's chunk, where it holds several)."""
         tensor = tensor.detach().contiguous()
+        if self.routes.on_cpu(channel):
+            tensor = tensor.cpu()
         rank = self.layout.rank_of(peer, replica)
         number = tag(channel, sequence, chunk, self.layout.chunks)
-        self.sends.append((dist.isend(tensor, rank, tag=number), tensor))
+        group = self.routes.group(channel, peer, self._replica(replica))
+        self.sends.append((dist.isend(tensor, rank, group=group, tag=number), tensor))
         if len(self.sends) > SEND_WINDOW:
             self._wait_sends(self.sends[:-SEND_WINDOW])
             del self.sends[:-SEND_WINDOW]
@@ -115,10 +124,17 @@ class Messenger:
     ) -> PendingRecv:
         """Post the receive of a message from model stage ``peer`` for this process's stage of
         chunk ``chunk``."""
-        buffer = torch.empty(shape, dtype=dtype, device=device)
+        on = torch.device("cpu") if self.routes.on_cpu(channel) else device
+        buffer = torch.empty(shape, dtype=dtype, device=on)
         number = tag(channel, sequence, chunk, self.layout.chunks)
-        work = dist.irecv(buffer, self.layout.rank_of(peer, replica), tag=number)
-        return PendingRecv(buffer, work, peer, replica, what, channel, sequence)
+        receiver = self.layout.stages[chunk]
+        group = self.routes.group(channel, receiver, self._replica(replica))
+        rank = self.layout.rank_of(peer, replica)
+        work = dist.irecv(buffer, rank, group=group, tag=number)
+        return PendingRecv(buffer, work, peer, replica, what, channel, sequence, device)
+
+    def _replica(self, replica: int | None) -> int:
+        return self.layout.replica if replica is None else replica
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
         started = time.perf_counter()
@@ -137,7 +153,7 @@ class Messenger:
             ) from None
         finally:
             self.waited_s += time.perf_counter() - started
-        return pending.buffer
+        return pending.buffer.to(pending.device)
 
     def _failure(self, doing: str, peer: str | None, waited: float, exc: Exception) -> PeerFailure:
         """The error for a wait that failed: a timeout, or a peer (named) that went away."""

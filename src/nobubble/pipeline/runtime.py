@@ -52,6 +52,7 @@ from nobubble.optim.named_state import NamedState, load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.replicas import PendingReduction, replica_rows
+from nobubble.pipeline.routes import Routes, resolve_routes
 from nobubble.profiling import OFF, action_label, label, labelled
 from nobubble.schedules import Action, ActionKind, generate, lower, schedule_spec
 from nobubble.simulated import autocast, versions_from_tensors
@@ -128,7 +129,8 @@ class PipelineEngine:
         self.report_width = 3 + max(len(b) for b in self.moe_blocks) * routing_size(mc)
         self.delay = max(held.delay for held in self.held.values())
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
-        self.messenger = Messenger(layout, cfg.p2p_timeout_s)
+        routes = Routes.build(layout, resolve_routes(cfg.p2p_routes, dist.get_backend()))
+        self.messenger = Messenger(layout, cfg.p2p_timeout_s, routes)
         self.hidden_shape = (cfg.microbatch_size() // layout.dp, cfg.seq_len, mc.d_model)
         self.val_batches = val_batches
         self.eval_sequence = 0

@@ -1,0 +1,91 @@
+"""Which process group carries each pipeline message, so that no backend can deadlock on order.
+
+gloo matches a receive to the send with the same peer and tag, in any order; the runtime relies
+on that to post receives ahead of need (``RECV_AHEAD``) and send as soon as data is ready. NCCL
+ignores tags: between two ranks of one group it pairs the n-th send with the n-th receive, and
+runs the pair's operations one after another on one stream in the order each side posted them.
+On one shared group, 1F1B on two stages would then hang: stage 0 posts "receive gradient 0"
+before "send activation 1", stage 1 posts "receive activation 1" before "send gradient 0".
+
+So with ``per-edge`` routes (the default on NCCL) every data channel (activations, gradients,
+evaluation activations) of every pair of neighbouring model stages of a replica gets its own
+two-rank group: each carries messages one way, from one stage to one stage, and both stages post
+them in microbatch order (checked on every schedule: ``nobubble.schedules.invariants``), so the
+n-th send always meets the n-th receive. The small control messages (step statistics, the
+leader's go-ahead, stop votes, evaluation sums) go over a gloo group as CPU tensors, where tags
+hold; their values are read on the CPU anyway. ``shared`` routes (the default on gloo) send
+everything over the default group, as gloo allows; ``per-edge`` on gloo runs the NCCL routing on
+a CPU machine (its tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from nobubble.layout import ParallelLayout
+from nobubble.pipeline.comm import Channel
+
+DATA_CHANNELS = (Channel.ACTIVATION, Channel.GRADIENT, Channel.EVAL_ACTIVATION)
+
+
+def resolve_routes(choice: str, backend: str) -> str:
+    """The config's ``p2p_routes`` on ``backend``; ``auto``: per-edge on backends that ignore
+    tags (NCCL), shared on gloo."""
+    if choice != "auto":
+        return choice
+    return "shared" if backend == "gloo" else "per-edge"
+
+
+def _edge(channel: Channel, receiver: int) -> tuple[int, int]:
+    """(sending stage, receiving stage) of a data message to model stage ``receiver``."""
+    return (receiver + 1, receiver) if channel is Channel.GRADIENT else (receiver - 1, receiver)
+
+
+@dataclass
+class Routes:
+    """The group of every (data channel, stage edge, replica), and the control plane's group.
+
+    ``None`` stands for the default group. ``control_on_cpu``: control messages travel as CPU
+    tensors (their group is gloo while the default group is not).
+    """
+
+    edges: dict[tuple[Channel, int, int, int], dist.ProcessGroup | None] = field(
+        default_factory=dict
+    )
+    control: dist.ProcessGroup | None = None
+    control_on_cpu: bool = False
+
+    @classmethod
+    def build(cls, layout: ParallelLayout, kind: str) -> Routes:
+        """The routes of ``kind`` (shared or per-edge; see :func:`resolve_routes`). Every rank
+        must call it at the same point: torch requires every process to create every group, in
+        the same order."""
+        if kind == "shared":
+            return cls()
+        routes = cls()
+        for replica in range(layout.dp):
+            for stage in range(layout.model_stages - 1):
+                ranks = sorted({layout.rank_of(stage, replica), layout.rank_of(stage + 1, replica)})
+                for channel in DATA_CHANNELS:
+                    # a two-rank group per channel and edge (neighbours on one process need none)
+                    group = dist.new_group(ranks) if len(ranks) == 2 else None
+                    receiver = stage if channel is Channel.GRADIENT else stage + 1
+                    routes.edges[(channel, *_edge(channel, receiver), replica)] = group
+        if dist.get_backend() != "gloo":
+            routes.control, routes.control_on_cpu = dist.new_group(backend="gloo"), True
+        return routes
+
+    def group(self, channel: Channel, receiver: int, replica: int) -> dist.ProcessGroup | None:
+        """The group of a message on ``channel`` to model stage ``receiver`` of ``replica``."""
+        if channel not in DATA_CHANNELS:
+            return self.control
+        if not self.edges:
+            return None
+        sender, receiver = _edge(channel, receiver)
+        return self.edges[(channel, sender, receiver, replica)]
+
+    def on_cpu(self, channel: Channel) -> bool:
+        """Whether messages on ``channel`` travel as CPU tensors."""
+        return self.control_on_cpu and channel not in DATA_CHANNELS
