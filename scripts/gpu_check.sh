@@ -33,6 +33,9 @@
 # tests compare bitwise with the single-process run, which on a GPU also assumes deterministic
 # kernels; a mismatch there is worth rerunning one case twice on one GPU before blaming NCCL.
 #
+# On NCCL the pipeline runs take p2p_routes=auto's per-edge routes (docs/pipeline.md, Messages):
+# a hang at the first step of a parity test points at them.
+#
 # Exit status: 0 when every step that ran passed, 1 otherwise (each step's log is in the folder).
 # Status: written without a GPU machine; never executed yet (docs/benchmarks.md).
 set -euo pipefail
