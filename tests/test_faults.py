@@ -149,10 +149,14 @@ def test_a_world_size_that_does_not_match_the_stages_fails_before_any_work(tmp_p
     assert not (tmp_path / "r").exists()
 
 
-def _peer_that_never_sends(rank: int, port: int, timeout_s: float, leave: bool, results) -> None:
-    """Rank 0 waits for a gradient; rank 1 never sends it: it exits (``leave``), or it stays
-    alive until rank 0 has given up (told through the store, not a sleep: a busy machine may
-    stall rank 0 for seconds; and gloo closes the pair after the timeout, so no barrier)."""
+def _peer_that_never_sends(
+    rank: int, port: int, timeout_s: float, leave: bool, waits_for: str, results
+) -> None:
+    """Rank 0 waits for a gradient (``waits_for="gradient"``) or for the evaluation totals'
+    all-reduce with its replica (``"evaluation totals"``); rank 1 never sends or joins: it exits
+    (``leave``), or it stays alive until rank 0 has given up (told through the store, not a
+    sleep: a busy machine may stall rank 0 for seconds; and gloo closes the pair after the
+    timeout, so no barrier)."""
     import datetime
 
     import torch
@@ -160,12 +164,19 @@ def _peer_that_never_sends(rank: int, port: int, timeout_s: float, leave: bool, 
 
     from nobubble.layout import ParallelLayout
     from nobubble.pipeline.comm import Channel, Messenger, PeerFailure
+    from nobubble.pipeline.replicas import ReplicaReduction
     from nobubble.pipeline.routes import Routes
 
     limit = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=limit)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=limit)
-    if rank == 0:
+    if rank == 0 and waits_for == "evaluation totals":
+        replicas = ReplicaReduction(dist.group.WORLD, 2, timeout_s, "stage 1 of replica 0")
+        try:
+            replicas.sum_now(torch.zeros(4), "the evaluation totals of the other replicas")
+        except PeerFailure as exc:
+            results.put(str(exc))
+    elif rank == 0:
         messenger = Messenger(ParallelLayout(pp=2, rank=rank), timeout_s, Routes())
         try:
             messenger.recv(
@@ -179,16 +190,16 @@ def _peer_that_never_sends(rank: int, port: int, timeout_s: float, leave: bool, 
             )
         except PeerFailure as exc:
             results.put(str(exc))
-        if not leave:
-            store.set("given up", "1")
-            store.wait(["seen"])  # rank 0 hosts the store: it stays until rank 1 has read it
-    elif not leave:
+    if rank == 0 and not leave:
+        store.set("given up", "1")
+        store.wait(["seen"])  # rank 0 hosts the store: it stays until rank 1 has read it
+    elif rank == 1 and not leave:
         store.wait(["given up"])
         store.set("seen", "1")
     dist.destroy_process_group()  # rank 1 with ``leave``: at once, closing its connections
 
 
-def peer_failure_message(timeout_s: float, leave: bool) -> str:
+def peer_failure_message(timeout_s: float, leave: bool, waits_for: str = "gradient") -> str:
     import socket
 
     import torch.multiprocessing as mp
@@ -197,7 +208,7 @@ def peer_failure_message(timeout_s: float, leave: bool) -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    args = (port, timeout_s, leave, results)
+    args = (port, timeout_s, leave, waits_for, results)
     mp.start_processes(_peer_that_never_sends, args=args, nprocs=2, start_method="spawn")
     return results.get()
 
@@ -216,6 +227,15 @@ def test_a_peer_that_exits_is_reported_as_gone_not_as_a_timeout():
     assert expected in message
     assert "stage 1 exited or crashed" in message
     assert "gave up" not in message and "p2p_timeout_s" not in message
+
+
+def test_a_replica_that_never_joins_the_evaluation_all_reduce_is_a_timeout_naming_it():
+    message = peer_failure_message(timeout_s=1.0, leave=False, waits_for="evaluation totals")
+    assert message.startswith(
+        "stage 1 of replica 0 stopped waiting for the evaluation totals of the other replicas: "
+        "one of them exited, crashed or is stuck"
+    )
+    assert "raise p2p_timeout_s if it is only slow" in message
 
 
 def test_tied_embeddings_under_pipedream_are_refused_up_front(tmp_path):

@@ -109,16 +109,8 @@ class ReplicaReduction:
         averaged over the replicas (None if none were given)."""
         stalled = _recorded_event() if pending.events else None
         started = time.perf_counter()
-        try:
-            with label("wait", self.short, "step", pending.step + 1):
-                for work in pending.works:
-                    work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise PeerFailure(
-                f"{self.name} stopped waiting for {self.what} (step {pending.step}): one of "
-                "them exited, crashed or is stuck (its own error, in its log or above, says "
-                f"why); raise p2p_timeout_s if it is only slow. Transport said: {exc}"
-            ) from None
+        with label("wait", self.short, "step", pending.step + 1):
+            self._wait(pending.works, f"{self.what} (step {pending.step})")
         if pending.events:
             resumed = _recorded_event()
             torch.cuda.current_stream().synchronize()
@@ -139,6 +131,22 @@ class ReplicaReduction:
             param.grad = bucket[offset : offset + count].view_as(param)
             offset += count
         return None if pending.figures is None else pending.figures.div_(self.dp)
+
+    def sum_now(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """Sum ``values`` over the group in place and wait for it (``what``: for the error)."""
+        self._wait([dist.all_reduce(values, group=self.group, async_op=True)], what)
+        return values
+
+    def _wait(self, works: list[dist.Work], what: str) -> None:
+        try:
+            for work in works:
+                work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerFailure(
+                f"{self.name} stopped waiting for {what}: one of them exited, crashed or is "
+                "stuck (its own error, in its log or above, says why); raise p2p_timeout_s if "
+                f"it is only slow. Transport said: {exc}"
+            ) from None
 
     def report(self, prefix: str) -> dict[str, float]:
         """The measurements of this reduction for a stage report, keys starting ``prefix``."""

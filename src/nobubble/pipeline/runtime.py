@@ -305,7 +305,7 @@ class PipelineEngine:
         reduction = self.held[self.layout.stages[-1]].reduction
         if self.last and reduction:
             totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
-            dist.all_reduce(totals, group=reduction.group)
+            reduction.sum_now(totals, "the evaluation totals of the other replicas")
             sums = EvalSums.from_list(totals.tolist())
         if self.layout.pp == 1:
             return sums
