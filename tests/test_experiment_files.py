@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nobubble import sweep
+from nobubble.sweeping import cli as sweep
 from tests.test_sweep import TOY_GRID, call, last_line
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"

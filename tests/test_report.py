@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nobubble import report
 from nobubble.cli import main
 from nobubble.config import ConfigError, TrainConfig
+from nobubble.reporting import cli as report
 from nobubble.reporting.groups import compare, group_runs
 from nobubble.reporting.runs import EvalPoint, ReportError, discover
 from nobubble.reporting.target import target_rows, time_to_reach

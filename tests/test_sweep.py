@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nobubble import report, sweep
+from nobubble.reporting import cli as report
+from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError
 
 TOY_GRID = """

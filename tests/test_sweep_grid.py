@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nobubble import sweep
 from nobubble.config import ConfigError, build_config, load_toml
+from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.best import Pending
 from nobubble.sweeping.grid import SweepError, load_sweep
 from nobubble.sweeping.launch import command, write_config_file

@@ -93,11 +93,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nobubble import bench, report, sweep
+    from nobubble import bench
     from nobubble.downstream import cli as eval_cli
     from nobubble.hf import cli as export_cli
     from nobubble.planning import cli as plan_cli
+    from nobubble.reporting import cli as report_cli
     from nobubble.schedules import cli as schedule_cli
+    from nobubble.sweeping import cli as sweep_cli
 
     parser = argparse.ArgumentParser(
         prog="nobubble", description="Asynchronous pipeline-parallel LLM pretraining."
@@ -129,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tools = (
         ("schedule", schedule_cli, "simulate and draw a pipeline schedule"),
-        ("sweep", sweep, "train every run of a grid, N at a time (resumable)"),
-        ("report", report, "tables and plots from run folders"),
+        ("sweep", sweep_cli, "train every run of a grid, N at a time (resumable)"),
+        ("report", report_cli, "tables and plots from run folders"),
         ("bench", bench, "pipeline throughput and memory: every schedule vs torch's pipelining"),
         ("export", export_cli, "a run's checkpoint as a Hugging Face Llama model folder"),
         ("eval", eval_cli, "benchmark scores of a run's checkpoint (lm-evaluation-harness)"),

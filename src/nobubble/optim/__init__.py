@@ -3,9 +3,9 @@
 from nobubble.optim.clipping import clip_grad_norm
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 from nobubble.optim.ef import ErrorFeedback
+from nobubble.optim.lr_schedule import lr_at, set_lr
 from nobubble.optim.registry import OPTIMIZERS, build_optimizer
 from nobubble.optim.routing import Kind, classify
-from nobubble.optim.schedules import lr_at, set_lr
 
 __all__ = [
     "OPTIMIZERS",
