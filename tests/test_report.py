@@ -15,6 +15,7 @@ from nobubble.config import ConfigError, TrainConfig
 from nobubble.reporting import cli as report
 from nobubble.reporting.groups import compare, group_runs
 from nobubble.reporting.runs import EvalPoint, ReportError, discover
+from nobubble.reporting.table import settings_label
 from nobubble.reporting.target import target_rows, time_to_reach
 from tests.pipeline_helpers import SMALL
 
@@ -157,6 +158,15 @@ def test_every_correction_is_compared_with_its_plain_delayed_run(tmp_path):
     assert rows["2bw+nesterov"].closed == pytest.approx(0.3 / 0.4)
     assert rows["2bw+dc"].closed == pytest.approx(0.1 / 0.4)
     assert rows["2bw+EF+predict"].closed == pytest.approx(0.2 / 0.4)
+
+
+def test_a_dense_run_beside_moe_runs_is_labelled_dense(tmp_path):
+    make_run(tmp_path, 2.0, optim="adamw", moe_experts=8, moe_top_k=2, lr=1e-3)
+    make_run(tmp_path, 2.1, optim="adamw", lr=3e-3)
+    runs, _ = discover([tmp_path])
+    keys = ["moe_experts", "moe_top_k", "lr"]
+    labels = sorted(settings_label(g, keys) for g in group_runs(runs))
+    assert labels == ["dense lr=0.003", "moe_experts=8 moe_top_k=2 lr=0.001"]
 
 
 def test_faster_run_speed_up(tmp_path):

@@ -33,7 +33,12 @@ def fmt_stat(stat: Stat, digits: int = 4) -> str:
 
 
 def settings_label(group: Group, keys: Sequence[str]) -> str:
-    return " ".join(f"{k}={fmt_value(group.settings[k])}" for k in keys)
+    """``key=value`` for each of ``keys``; an unset key (None) is left out, and a dense model
+    beside MoE ones reads ``dense``, not ``moe_experts=None moe_top_k=None ...``."""
+    settings = group.settings
+    dense = "moe_experts" in keys and settings.get("moe_experts") is None
+    labels = [f"{k}={fmt_value(settings[k])}" for k in keys if settings.get(k) is not None]
+    return " ".join(["dense", *labels] if dense else labels)
 
 
 def fmt_final(group: Group) -> str:
