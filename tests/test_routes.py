@@ -4,6 +4,7 @@ test_data_parallel.py (``p2p_routes=per-edge``)."""
 
 import pytest
 
+from nobubble.config import ConfigError
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline import routes as routes_module
 from nobubble.pipeline.comm import Channel
@@ -27,7 +28,8 @@ def test_auto_routes_follow_the_backend():
     assert resolve_routes("auto", "gloo") == "shared"
     assert resolve_routes("auto", "nccl") == "per-edge"
     assert resolve_routes("per-edge", "gloo") == "per-edge"
-    assert resolve_routes("shared", "nccl") == "shared"
+    with pytest.raises(ConfigError, match=r"nccl pairs them in posting order.*p2p_routes=per-edge"):
+        resolve_routes("shared", "nccl")
 
 
 def test_shared_routes_use_the_default_group_for_everything(groups):

@@ -222,7 +222,7 @@ class TrainConfig:
     )
     p2p_routes: str = _opt(
         "auto",
-        "pipeline: process groups of the messages: shared (one group; gloo honours tags) | "
+        "pipeline: process groups of the messages: shared (one group; gloo only, it pairs by tag) | "
         "per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | auto "
         "(shared on gloo, per-edge otherwise)",
     )

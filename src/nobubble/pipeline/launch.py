@@ -34,6 +34,7 @@ from nobubble.pipeline.process_group import (
     device_and_backend,
     open_process_group,
 )
+from nobubble.pipeline.routes import resolve_routes
 from nobubble.profiling import profiled
 from nobubble.resume import open_run
 from nobubble.train import (
@@ -176,6 +177,7 @@ def train_pipeline(
     check_launch(cfg, layout)
     configure_torch(cfg)
     device, backend = device_and_backend(cfg)
+    resolve_routes(cfg.p2p_routes, backend)  # a choice the backend cannot run: refused now
     open_process_group(backend, device, layout.rank, layout.world, cfg.p2p_timeout_s)
     auto_resume = auto_resume or restarted_by_torchrun()
     try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from nobubble.config import ConfigError
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.comm import Channel
 
@@ -31,29 +32,29 @@ DATA_CHANNELS = (Channel.ACTIVATION, Channel.GRADIENT, Channel.EVAL_ACTIVATION)
 
 
 def resolve_routes(choice: str, backend: str) -> str:
-    """The config's ``p2p_routes`` on ``backend``; ``auto``: per-edge on backends that ignore
-    tags (NCCL), shared on gloo."""
-    if choice != "auto":
-        return choice
-    return "shared" if backend == "gloo" else "per-edge"
-
-
-def _edge(channel: Channel, receiver: int) -> tuple[int, int]:
-    """(sending stage, receiving stage) of a data message to model stage ``receiver``."""
-    return (receiver + 1, receiver) if channel is Channel.GRADIENT else (receiver - 1, receiver)
+    """The config's ``p2p_routes`` on ``backend``: ``auto`` is per-edge on backends that ignore
+    tags (NCCL) and shared on gloo; shared on another backend than gloo is refused."""
+    if choice == "auto":
+        return "shared" if backend == "gloo" else "per-edge"
+    if choice == "shared" and backend != "gloo":
+        raise ConfigError(
+            f"p2p_routes=shared sends every message over one group, which needs a backend that "
+            f"pairs messages by tag (gloo); {backend} pairs them in posting order and would hang "
+            "the pipeline. Use p2p_routes=per-edge (or auto)"
+        )
+    return choice
 
 
 @dataclass
 class Routes:
-    """The group of every (data channel, stage edge, replica), and the control plane's group.
+    """The group of every (data channel, receiving stage, replica) (the channel says which
+    neighbour sends: the stage before, or after for gradients), and the control plane's group.
 
     ``None`` stands for the default group. ``control_on_cpu``: control messages travel as CPU
     tensors (their group is gloo while the default group is not).
     """
 
-    edges: dict[tuple[Channel, int, int, int], dist.ProcessGroup | None] = field(
-        default_factory=dict
-    )
+    edges: dict[tuple[Channel, int, int], dist.ProcessGroup | None] = field(default_factory=dict)
     control: dist.ProcessGroup | None = None
     control_on_cpu: bool = False
 
@@ -72,7 +73,7 @@ class Routes:
                     # a two-rank group per channel and edge (neighbours on one process need none)
                     group = dist.new_group(ranks) if len(ranks) == 2 else None
                     receiver = stage if channel is Channel.GRADIENT else stage + 1
-                    routes.edges[(channel, *_edge(channel, receiver), replica)] = group
+                    routes.edges[(channel, receiver, replica)] = group
         if dist.get_backend() != "gloo":
             routes.control, routes.control_on_cpu = dist.new_group(backend="gloo"), True
         return routes
@@ -81,10 +82,7 @@ class Routes:
         """The group of a message on ``channel`` to model stage ``receiver`` of ``replica``."""
         if channel not in DATA_CHANNELS:
             return self.control
-        if not self.edges:
-            return None
-        sender, receiver = _edge(channel, receiver)
-        return self.edges[(channel, sender, receiver, replica)]
+        return self.edges[(channel, receiver, replica)] if self.edges else None
 
     def on_cpu(self, channel: Channel) -> bool:
         """Whether messages on ``channel`` travel as CPU tensors."""
