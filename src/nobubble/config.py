@@ -222,9 +222,9 @@ class TrainConfig:
     )
     p2p_routes: str = _opt(
         "auto",
-        "pipeline: process groups of the messages: shared (one group; gloo only, it pairs by tag) | "
-        "per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | auto "
-        "(shared on gloo, per-edge otherwise)",
+        "pipeline: process groups of the messages: shared (one group; gloo only: it pairs by "
+        "tag) | per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | "
+        "auto (shared on gloo, per-edge otherwise)",
     )
     embed_cost: float = _opt(1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE)
     head_cost: float = _opt(
