@@ -2,7 +2,7 @@
 # Issue 13's experiment (experiments/corrections.toml): the sweep, a check of its main phase
 # against paper_cpu's, the reports (docs/results/corrections/<part>/) and the run records.
 #
-#   experiments/corrections.sh                   # everything (296 runs; docs/experiments.md)
+#   experiments/corrections.sh                   # everything (308 runs; docs/experiments.md)
 #   experiments/corrections.sh --phase main      # extra arguments go to `nobubble sweep`
 #   JOBS=1 experiments/corrections.sh            # runs at a time (default 2)
 #
@@ -49,6 +49,8 @@ report momentum "Momentum: Muon nesterov on/off, NAdamW beta1 0.9/0.99 (and NAda
     "$RUNS/main" "$RUNS/momentum" --where optim=muon,nadamw
 report ef_gamma "EF strength gamma in {0.5, beta, 1, 1.5}" \
     "$RUNS/main" "$RUNS/ef_gamma" --where optim=adamw,muon,nadamw --vs ef_gamma
+report ef_strong "EF at gamma 2, and gamma 1.5 with predict, beside gamma 0.5 to 1.5" \
+    "$RUNS/main" "$RUNS/ef_gamma" "$RUNS/ef_strong" --where optim=adamw,muon
 report noclip "Gradient clipping off (grad_clip 0) and on (1.0): EF and the best correction" \
     "$RUNS/main" "$RUNS/corrections" "$RUNS/noclip" "$RUNS/noclip_best" --where optim=adamw,muon
 report pipedream "PipeDream (4 and 8 stages) with spike and predict" \
