@@ -33,6 +33,7 @@ from nobubble.bench.runner import (
     run_timed,
 )
 from nobubble.bench.variants import (
+    DEFAULT_VARIANTS,
     FIXED_SETTINGS,
     OPTIONS,
     VARIANTS,
@@ -82,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schedules",
-        default=",".join(VARIANTS),
-        help=f"comma-separated variants (default: all of {', '.join(VARIANTS)})",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated variants (default: all of {', '.join(DEFAULT_VARIANTS)}; also "
+        f"{', '.join(v for v in VARIANTS if v not in DEFAULT_VARIANTS)})",
     )
     parser.add_argument(
         "--options",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nobubble.config import SYNC, ConfigError
+from nobubble.corrections import REGISTRY as CORRECTIONS
 from nobubble.schedules.registry import schedule_spec
 
 NOBUBBLE, TORCH = "nobubble", "torch"
@@ -42,6 +43,13 @@ VARIANTS: dict[str, Variant] = {
         Variant("torch-interleaved-zb", "1f1b", TORCH, worker="interleaved-zb"),
     )
 }
+DEFAULT_VARIANTS = tuple(VARIANTS)  # what --schedules runs when not given
+# each delay correction under 2bw (docs/corrections.md), on request: what a correction costs
+# per step beside plain 2bw and 2bw+ef (spike refuses optimizers other than SGD and AdamW)
+VARIANTS.update(
+    (f"2bw+{name}", Variant(f"2bw+{name}", "2bw", extra=(f"correction={name}",)))
+    for name in (*(c for c in CORRECTIONS if c != "ef"), "ef+predict")
+)
 
 
 def twin(variant: Variant) -> str | None:
