@@ -26,6 +26,7 @@ SYNC_SCHEDULES = (SYNC, *(name for name, spec in PIPELINE_SCHEDULES.items() if s
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.routes
 LOGGERS = ("tensorboard", "wandb")
 # Delay corrections: what each one does lives in nobubble.corrections; here only the names and
 # which act on the update (at most one of those) rather than on the weights a step runs at.
@@ -463,7 +464,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
     _choice("dtype", cfg.dtype, DTYPES)
     _choice("device", cfg.device, DEVICES)
-    _choice("p2p_routes", cfg.p2p_routes, ("auto", "shared", "per-edge"))
+    _choice("p2p_routes", cfg.p2p_routes, P2P_ROUTES)
     _choice("bin_dtype", cfg.bin_dtype, ("uint16", "uint32"))
     _choice("muon_adjust_lr", cfg.muon_adjust_lr, ("match_rms_adamw", "original"))
     _choice("wandb_mode", cfg.wandb_mode, ("online", "offline"))

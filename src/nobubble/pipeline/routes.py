@@ -50,13 +50,12 @@ class Routes:
     """The group of every (data channel, receiving stage, replica) (the channel says which
     neighbour sends: the stage before, or after for gradients), and the control plane's group.
 
-    ``None`` stands for the default group. ``control_on_cpu``: control messages travel as CPU
-    tensors (their group is gloo while the default group is not).
+    ``None`` stands for the default group; a ``control`` group of its own is gloo beside a
+    default group that is not, so control messages on it travel as CPU tensors.
     """
 
     edges: dict[tuple[Channel, int, int], dist.ProcessGroup | None] = field(default_factory=dict)
     control: dist.ProcessGroup | None = None
-    control_on_cpu: bool = False
 
     @classmethod
     def build(cls, layout: ParallelLayout, kind: str) -> Routes:
@@ -75,7 +74,7 @@ class Routes:
                     receiver = stage if channel is Channel.GRADIENT else stage + 1
                     routes.edges[(channel, receiver, replica)] = group
         if dist.get_backend() != "gloo":
-            routes.control, routes.control_on_cpu = dist.new_group(backend="gloo"), True
+            routes.control = dist.new_group(backend="gloo")
         return routes
 
     def group(self, channel: Channel, receiver: int, replica: int) -> dist.ProcessGroup | None:
@@ -86,4 +85,4 @@ class Routes:
 
     def on_cpu(self, channel: Channel) -> bool:
         """Whether messages on ``channel`` travel as CPU tensors."""
-        return self.control_on_cpu and channel not in DATA_CHANNELS
+        return self.control is not None and channel not in DATA_CHANNELS
