@@ -19,7 +19,9 @@ from nobubble.checkpoint import (
 )
 from nobubble.cli import main
 from nobubble.config import build_config
-from nobubble.model import build_model, model_config, partition
+from nobubble.model.layers import build_model
+from nobubble.model.partition import partition, stage_parameter_names
+from nobubble.model.resolve import model_config
 from nobubble.optim import OPTIMIZERS, build_optimizer
 from nobubble.optim.named_state import (
     NamedState,
@@ -27,7 +29,7 @@ from nobubble.optim.named_state import (
     load_named_state,
     named_state,
 )
-from nobubble.simulated import SimulatedEngine, stage_parameter_names
+from nobubble.simulated import SimulatedEngine
 from tests.pipeline_helpers import (
     EXTENDED,
     SMALL,

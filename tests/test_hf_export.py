@@ -31,9 +31,11 @@ from nobubble.data.tokenizer import train_bpe
 from nobubble.hf.convert import hf_name, parameter_shapes
 from nobubble.hf.export import export_hf
 from nobubble.hf.init import check_init_from, load_init_from
-from nobubble.model import TIED_WEIGHT, build_model, model_config, partition
+from nobubble.model.layers import build_model
+from nobubble.model.partition import TIED_WEIGHT, partition, stage_parameter_names
+from nobubble.model.resolve import model_config
 from nobubble.resume import saved_config
-from nobubble.simulated import SimulatedEngine, stage_parameter_names
+from nobubble.simulated import SimulatedEngine
 
 ATOL = 1e-5  # float32 logits; see the module docstring
 TEXTS = [

@@ -22,7 +22,9 @@ from nobubble.data import ByteTokenizer, build_data
 from nobubble.data.tokenizer import train_bpe
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
 from nobubble.hf.init import check_init_from, load_init_from
-from nobubble.model import TIED_WEIGHT, lm_loss, model_config
+from nobubble.model.layers import lm_loss
+from nobubble.model.partition import TIED_WEIGHT
+from nobubble.model.resolve import model_config
 from nobubble.resume import saved_config
 from nobubble.simulated import SimulatedEngine
 from tests.pipeline_helpers import SMALL, metrics, nobubble

@@ -4,17 +4,10 @@ import pytest
 import torch
 
 from nobubble.config import ConfigError, TrainConfig
-from nobubble.model import (
-    PRESETS,
-    Stage,
-    StageSpec,
-    apply_rope,
-    build_model,
-    lm_loss,
-    model_config,
-    partition,
-    rope_tables,
-)
+from nobubble.model.layers import Stage, apply_rope, build_model, lm_loss, rope_tables
+from nobubble.model.partition import StageSpec, partition
+from nobubble.model.presets import PRESETS
+from nobubble.model.resolve import model_config
 
 
 def n_params(module: torch.nn.Module) -> int:

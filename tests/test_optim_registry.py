@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.model import PRESETS, build_model, lm_loss
+from nobubble.model.layers import build_model, lm_loss
+from nobubble.model.presets import PRESETS
 from nobubble.optim import (
     OPTIMIZERS,
     CompositeOptimizer,

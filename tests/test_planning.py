@@ -8,7 +8,7 @@ import json
 import pytest
 
 from nobubble.config import ConfigError
-from nobubble.model import ModelConfig
+from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
 from nobubble.planning.costs import stage_costs
 from nobubble.planning.grid import grid, synchronous_schedules

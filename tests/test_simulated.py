@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.model import build_model, lm_loss
+from nobubble.model.layers import build_model, lm_loss
 from nobubble.optim import build_optimizer, lr_at, set_lr
 from nobubble.simulated import SimulatedEngine
 

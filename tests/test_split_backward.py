@@ -8,7 +8,9 @@ import torch
 from torch.func import functional_call
 
 from nobubble.config import ConfigError, TrainConfig, validate
-from nobubble.model import PRESETS, Stage, partition
+from nobubble.model.layers import Stage
+from nobubble.model.partition import partition
+from nobubble.model.presets import PRESETS
 from nobubble.pipeline.split_backward import SplitBackward
 from nobubble.simulated import autocast
 

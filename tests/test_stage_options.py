@@ -10,7 +10,9 @@ import torch
 from nobubble.cli import main
 from nobubble.config import ConfigError, TrainConfig, build_config
 from nobubble.data.tokenizer import load_tokenizer
-from nobubble.model import PRESETS, build_model, model_config
+from nobubble.model.layers import build_model
+from nobubble.model.presets import PRESETS
+from nobubble.model.resolve import model_config
 from nobubble.simulated import SimulatedEngine
 from nobubble.stage_options import check_compilable
 from tests.pipeline_helpers import SMALL, assert_same_run, final_weights, metrics, nobubble

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from nobubble.config import ConfigError, TrainConfig, build_config
-from nobubble.model import TIED_WEIGHT, build_model, lm_loss, partition
+from nobubble.model.layers import build_model, lm_loss
+from nobubble.model.partition import TIED_WEIGHT, partition
 from nobubble.optim import build_optimizer, lr_at, set_lr
 from nobubble.simulated import DelayedTrainer, SimulatedEngine
 from tests.pipeline_helpers import assert_same_run, losses, nobubble

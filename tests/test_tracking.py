@@ -16,7 +16,7 @@ from nobubble.cli import main
 from nobubble.config import build_config
 from nobubble.data import load_tokenizer
 from nobubble.flops import flops_per_token
-from nobubble.model import model_config
+from nobubble.model.resolve import model_config
 from nobubble.tracking import TensorBoardLogger, stage_scalars
 from nobubble.train import StepLogger, summary_line
 from tests.pipeline_helpers import SMALL, metrics, run_train

@@ -447,7 +447,7 @@ def _accepted(key: str, accepted: Range) -> str:
 
 def validate(cfg: TrainConfig) -> None:
     """Check everything that can be checked without building the model or reading data."""
-    from nobubble.model import PRESETS
+    from nobubble.model.presets import PRESETS
     from nobubble.optim import OPTIMIZERS
 
     _choice("preset", cfg.preset, PRESETS)
@@ -570,7 +570,8 @@ def profile_range(cfg: TrainConfig) -> range | None:
 def _check_model(cfg: TrainConfig) -> None:
     """The model's shape and its split over the stages, as training will resolve them (but for
     the vocabulary, which is only known once the tokenizer is read)."""
-    from nobubble.model import model_config, partition
+    from nobubble.model.partition import partition
+    from nobubble.model.resolve import model_config
 
     mc = model_config(cfg, tokenizer_vocab=1)
     stages = cfg.model_stages()

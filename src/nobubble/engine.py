@@ -11,7 +11,7 @@ import torch
 
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
-from nobubble.moe import Routing
+from nobubble.model.moe import Routing
 
 if TYPE_CHECKING:
     from nobubble.profiling import NoProfiler, StepProfiler
@@ -24,7 +24,7 @@ class StepStats:
     grad_norm: float  # sqrt of the sum of the stages' squared norms, before clipping
     lr: float
     skipped_stages: list[int] = field(default_factory=list)
-    routing: Routing = field(default_factory=dict)  # MoE blocks' routing sums (nobubble.moe)
+    routing: Routing = field(default_factory=dict)  # MoE blocks' routing sums (nobubble.model.moe)
 
 
 class Engine(Protocol):

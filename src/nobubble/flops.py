@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nobubble.model import ModelConfig
+from nobubble.model.presets import ModelConfig
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peaks, TFLOP/s: NVIDIA's datasheets give them "with
 # sparsity", twice the dense figure: H100 SXM and H200 SXM 1,979; H100 PCIe 1,513; H100 NVL and

@@ -108,7 +108,8 @@ def _layout_changes(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
 
 def unit_stages(cfg: TrainConfig) -> dict[str, int]:
     """The stage of every part of the model (the embedding, each block, the head) under ``cfg``."""
-    from nobubble.model import model_config, partition
+    from nobubble.model.partition import partition
+    from nobubble.model.resolve import model_config
 
     mc = model_config(cfg, tokenizer_vocab=1)  # the split does not depend on the vocabulary
     owner: dict[str, int] = {}

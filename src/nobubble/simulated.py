@@ -30,16 +30,10 @@ from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
-from nobubble.model import (
-    TIED_HEAD_USE,
-    TIED_WEIGHT,
-    ModelConfig,
-    StageSpec,
-    build_model,
-    lm_loss,
-    partition,
-)
-from nobubble.moe import Routing, balance_routers
+from nobubble.model.layers import build_model, lm_loss
+from nobubble.model.moe import Routing, balance_routers
+from nobubble.model.partition import TIED_HEAD_USE, TIED_WEIGHT, partition, stage_parameter_names
+from nobubble.model.presets import ModelConfig
 from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.prediction import StepWeights
@@ -47,24 +41,6 @@ from nobubble.profiling import OFF, label, labelled
 from nobubble.stage_options import apply_stage_options
 from nobubble.update import combined_norm, optimizer_step, prepare_step
 from nobubble.versions import VersionStore, Weights
-
-
-def stage_parameter_names(names: Sequence[str], specs: Sequence[StageSpec]) -> list[list[str]]:
-    """Assign every parameter name of the full model to the stage that owns it."""
-    owner: dict[str, int] = {}
-    for spec in specs:
-        if spec.has_embed:
-            owner["embed"] = spec.index
-        if spec.has_head:
-            owner["norm"] = owner["head"] = spec.index
-        for block in spec.blocks:
-            owner[f"blocks.{block}"] = spec.index
-    grouped: list[list[str]] = [[] for _ in specs]
-    for name in names:
-        prefix = name.split(".")[0]
-        key = f"blocks.{name.split('.')[1]}" if prefix == "blocks" else prefix
-        grouped[owner[key]].append(name)
-    return grouped
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -84,7 +60,7 @@ class DelayedTrainer:
 
     ``routing()`` takes the MoE routing sums of the step's microbatches; the balance biases among
     the stages' parameters take their update from them at ``balance_rate``
-    (:func:`nobubble.moe.balance_routers`).
+    (:func:`nobubble.model.moe.balance_routers`).
 
     ``tied = (name, use)``: the first and the last stage both hold a parameter ``name``, copies
     of one tied weight; the optimizer holds the first stage's. ``micro_loss`` finds the last

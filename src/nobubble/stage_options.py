@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from nobubble.config import ConfigError, TrainConfig
-from nobubble.model import Stage
+from nobubble.model.layers import Stage
 
 
 def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -> None:

@@ -36,8 +36,9 @@ from nobubble.evaluation import EvalSums
 from nobubble.flops import Utilization, utilization
 from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import Interrupted, stop_on_signals
-from nobubble.model import ModelConfig, model_config
-from nobubble.moe import routing_metrics
+from nobubble.model.moe import routing_metrics
+from nobubble.model.presets import ModelConfig
+from nobubble.model.resolve import model_config
 from nobubble.optim.named_state import NamedStateError
 from nobubble.profiling import profiled
 from nobubble.provenance import provenance

@@ -47,7 +47,9 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from nobubble.config import ConfigError, TrainConfig, build_config, parse_overrides
 from nobubble.engine import peak_memory_mb
 from nobubble.layout import ParallelLayout, device_mesh
-from nobubble.model import Stage, lm_loss, model_config, partition
+from nobubble.model.layers import Stage, lm_loss
+from nobubble.model.partition import partition
+from nobubble.model.resolve import model_config
 from nobubble.optim import build_optimizer
 from nobubble.pipeline.launch import build_stage_data, launch_layout
 from nobubble.pipeline.process_group import (

@@ -32,6 +32,8 @@ from nobubble.corrections.nesterov import NesterovCorrection
 from nobubble.corrections.spike import SUPPORTED as SPIKE_OPTIMIZERS
 from nobubble.corrections.spike import SpikeCompensation
 from nobubble.delay import stage_delays
+from nobubble.model.partition import stage_parameter_names, stage_specs
+from nobubble.model.resolve import model_config
 from nobubble.optim.composite import OptimizerLike
 from nobubble.optim.ef import ErrorFeedback
 
@@ -96,14 +98,12 @@ def wrap_optimizer(
 def parameter_delays(names: list[str], cfg: TrainConfig) -> dict[str, int]:
     """Each parameter's gradient delay under ``cfg``'s schedule and stage split, from its name
     (the names are the same in both backends)."""
-    from nobubble.model import model_config, partition
-    from nobubble.simulated import stage_parameter_names  # the simulator imports the optimizers
 
     delays = stage_delays(cfg.schedule, cfg.model_stages())
     if len(set(delays)) == 1:
         return dict.fromkeys(names, delays[0])
     mc = model_config(cfg, tokenizer_vocab=1)
-    specs = partition(mc.n_layers, len(delays), cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+    specs = stage_specs(cfg, mc)
     owned = stage_parameter_names(names, specs)
     return {name: delays[stage] for stage, group in enumerate(owned) for name in group}
 

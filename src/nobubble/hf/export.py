@@ -43,7 +43,8 @@ from nobubble.checkpoint import (
 from nobubble.config import ConfigError, build_config
 from nobubble.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
-from nobubble.model import ModelConfig, model_config
+from nobubble.model.presets import ModelConfig
+from nobubble.model.resolve import model_config
 from nobubble.resume import latest_valid_checkpoint, saved_config, tokenizer_digest
 from nobubble.runfolder import holds_files, write_json_atomic
 

@@ -24,7 +24,7 @@ from nobubble.config import ConfigError, TrainConfig
 from nobubble.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from nobubble.engine import Engine
 from nobubble.hf.convert import Mismatch, describe, differences, hf_name, parameter_shapes
-from nobubble.model import ModelConfig
+from nobubble.model.presets import ModelConfig
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

@@ -16,8 +16,10 @@ import torch.distributed as dist
 from nobubble.config import TrainConfig, chosen_corrections
 from nobubble.delay import stage_delays
 from nobubble.layout import ParallelLayout
-from nobubble.model import TIED_WEIGHT, ModelConfig, Stage, StageSpec, holds_tied_copy
-from nobubble.moe import balance_routers, pack_routing, unpack_routing
+from nobubble.model.layers import Stage
+from nobubble.model.moe import balance_routers, pack_routing, unpack_routing
+from nobubble.model.partition import TIED_WEIGHT, StageSpec, holds_tied_copy
+from nobubble.model.presets import ModelConfig
 from nobubble.optim import build_optimizer
 from nobubble.pipeline.replicas import ReplicaReduction
 from nobubble.pipeline.split_backward import SplitBackward

@@ -28,7 +28,7 @@ from nobubble.data.tokenizer import tokenizer_from_json
 from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import stop_on_signals
 from nobubble.layout import ParallelLayout, replica_group
-from nobubble.model import model_config
+from nobubble.model.resolve import model_config
 from nobubble.pipeline.process_group import (
     close_process_group,
     device_and_backend,

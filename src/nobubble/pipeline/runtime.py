@@ -46,8 +46,10 @@ from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
-from nobubble.model import ModelConfig, lm_loss, partition
-from nobubble.moe import routing_size, unpack_routing
+from nobubble.model.layers import lm_loss
+from nobubble.model.moe import routing_size, unpack_routing
+from nobubble.model.partition import partition
+from nobubble.model.presets import ModelConfig
 from nobubble.optim.named_state import NamedState, load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
 from nobubble.pipeline.held_stage import HeldStage

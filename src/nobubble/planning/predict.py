@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.model import ModelConfig
+from nobubble.model.presets import ModelConfig
 from nobubble.planning.costs import BYTES_PER_WEIGHT_VERSION, BYTES_STATE_PER_PARAMETER, stage_costs
 from nobubble.planning.hardware import Device, Link
 from nobubble.schedules import generate, lower, schedule_spec, simulate

@@ -33,14 +33,13 @@ and written to metrics.jsonl (:func:`routing_metrics`).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from nobubble.model import ModelConfig
+from nobubble.model.presets import ModelConfig
 
 BALANCE_BIAS = "balance_bias"  # the parameter name of a layer's balance bias
 # per MoE layer, after the E loads: assignments dropped, Σ router entropy (nats) over tokens,
