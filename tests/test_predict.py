@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from nobubble.config import ConfigError, build_config
-from nobubble.delay import stage_delays
+from nobubble.schedules.registry import schedule_spec
 from nobubble.simulated import DelayedTrainer
 from tests.pipeline_helpers import assert_same_run, losses
 from tests.test_delay_exact import adamw_update, column, quadratic_trainer, run
@@ -47,7 +47,7 @@ def test_sgd_2bw_runs_at_the_prediction_and_updates_the_true_weights():
 
 
 def test_pipedream_extrapolates_over_each_stage_delay():
-    trainer = quadratic_trainer(stage_delays("pipedream", 3), correction="predict")
+    trainer = quadratic_trainer(schedule_spec("pipedream").delays(3), correction="predict")
     seen = points_seen(trainer)
     history = run(trainer, 5)
     # delay 2: ŵ[t] = w[c] + 2·(w[c] - w[c-1]), c = t-2; w[t+1] = w[t] - 0.5·ŵ[t]
@@ -121,7 +121,7 @@ def test_the_prediction_never_uses_an_update_not_computed_yet():
 
 def test_a_stage_holds_one_more_version_and_nothing_else():
     for schedule, stages, held in [("2bw", 3, [3, 3, 3]), ("pipedream", 3, [4, 3, 1])]:
-        trainer = quadratic_trainer(stage_delays(schedule, stages), correction="predict")
+        trainer = quadratic_trainer(schedule_spec(schedule).delays(stages), correction="predict")
         for _ in range(5):
             trainer.train_step([torch.zeros(1)])
         # versions t-d-1 .. t between steps; no prediction and no spare buffer left behind

@@ -3,16 +3,22 @@ weight versions is what the generated action lists do, and the config and CLI of
 
 import pytest
 
-from nobubble.config import SCHEDULES, SYNC, SYNC_SCHEDULES, ConfigError, TrainConfig, validate
-from nobubble.delay import stage_delays
+from nobubble.config import ConfigError, TrainConfig, validate
 from nobubble.schedules import SCHEDULE_NAMES, check_invariants, generate, lower, simulate
+from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES, schedule_spec
 from nobubble.schedules.registry import SCHEDULES as SPECS
 
 
-def test_config_offers_sync_and_every_schedule():
-    assert (SYNC, *SPECS) == SCHEDULES
-    assert (SYNC, *(n for n, spec in SPECS.items() if spec.flushes)) == SYNC_SCHEDULES
-    assert stage_delays(SYNC, 3) == [0, 0, 0]
+def test_sync_is_an_entry_with_the_semantics_of_1f1b():
+    """sync is plain gradient accumulation: 1f1b's delays and order, left out of the listings
+    of distinct pipeline orders, and first in the names the config accepts."""
+    sync, one_f_one_b = schedule_spec("sync"), schedule_spec("1f1b")
+    assert SCHEDULE_NAMES[0] == "sync" and sync.same_as == "1f1b"
+    assert sync.delays(3) == one_f_one_b.delays(3) == [0, 0, 0]
+    assert "sync" not in PIPELINE_SCHEDULES and "1f1b" in PIPELINE_SCHEDULES
+    assert generate("sync", 3, 6, steps=2) == generate("1f1b", 3, 6, steps=2)
+    flushing = {name for name, spec in SPECS.items() if spec.flushes}
+    assert flushing == SYNCHRONOUS_SCHEDULES and "sync" in SYNCHRONOUS_SCHEDULES
 
 
 def test_chunks_are_the_schedules_and_count_model_stages():
@@ -27,7 +33,7 @@ def test_chunks_are_the_schedules_and_count_model_stages():
         validate(TrainConfig(schedule="interleaved-1f1b", stages=2, chunks=1, microbatches=2))
     with pytest.raises(ConfigError, match="chunks=2: 1f1b runs one stage per rank"):
         validate(TrainConfig(schedule="1f1b", stages=2, chunks=2, microbatches=2))
-    with pytest.raises(ConfigError, match="chunks=2: sync runs one model stage"):
+    with pytest.raises(ConfigError, match="chunks=2: sync runs one stage per rank"):
         validate(TrainConfig(schedule="sync", chunks=2))
     with pytest.raises(ConfigError, match=r"lists 2 stages but stages x chunks = 2 x 2 = 4"):
         validate(
@@ -45,7 +51,7 @@ def test_generated_schedules_keep_the_registered_promises(name, stages):
     assert check_invariants(actions, name, result) == []  # delays per STEP, versions in budget
     model_stages = stages * spec.default_chunks
     assert result.stages == model_stages
-    assert stage_delays(name, model_stages) == spec.delays(model_stages)
+    assert schedule_spec(name).delays(model_stages) == spec.delays(model_stages)
     # the budget is tight: the schedule really holds that many versions at every stage
     budgets = [spec.version_budget(s, model_stages) for s in range(model_stages)]
     assert result.stage_weight_versions == budgets

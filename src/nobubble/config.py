@@ -17,12 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nobubble.schedules.registry import SCHEDULES as PIPELINE_SCHEDULES
-from nobubble.schedules.registry import schedule_spec
+from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
 
-SYNC = "sync"  # no pipeline schedule: plain gradient accumulation (the pipeline runs it as 1f1b)
-SCHEDULES = (SYNC, *PIPELINE_SCHEDULES)
-SYNC_SCHEDULES = (SYNC, *(name for name, spec in PIPELINE_SCHEDULES.items() if spec.flushes))
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -197,7 +193,7 @@ class TrainConfig:
     )
 
     # --- schedule ---
-    schedule: str = _opt("sync", " | ".join(SCHEDULES))
+    schedule: str = _opt("sync", " | ".join(SCHEDULE_NAMES))
     stages: int = _opt(
         1, "pipeline stages P (torchrun: one process per stage and replica)", POSITIVE
     )
@@ -282,9 +278,6 @@ class TrainConfig:
             f"-s{self.seed}"
         )
 
-    def is_sync(self) -> bool:
-        return self.schedule in SYNC_SCHEDULES
-
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
@@ -292,7 +285,7 @@ class TrainConfig:
         """Model stages per pipeline stage: ``chunks``, or the schedule's default."""
         if self.chunks is not None:
             return self.chunks
-        return 1 if self.schedule == SYNC else schedule_spec(self.schedule).default_chunks
+        return schedule_spec(self.schedule).default_chunks
 
     def model_stages(self) -> int:
         """The parts the model is cut into (``stages`` x chunks): what partitions, per-stage
@@ -452,13 +445,9 @@ def validate(cfg: TrainConfig) -> None:
 
     _choice("preset", cfg.preset, PRESETS)
     _choice("optim", cfg.optim, OPTIMIZERS)
-    _choice("schedule", cfg.schedule, SCHEDULES)
+    _choice("schedule", cfg.schedule, SCHEDULE_NAMES)
     if cfg.chunks is not None:
-        problem = (
-            "sync runs one model stage per stage (chunks=1); interleaved-1f1b takes several"
-            if cfg.schedule == SYNC and cfg.chunks != 1
-            else cfg.schedule != SYNC and schedule_spec(cfg.schedule).chunk_problem(cfg.chunks)
-        )
+        problem = schedule_spec(cfg.schedule).chunk_problem(cfg.chunks)
         if problem:
             raise ConfigError(f"chunks={cfg.chunks}: {problem}")
     _choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
@@ -487,24 +476,23 @@ def validate(cfg: TrainConfig) -> None:
             f"{cfg.microbatch_size()} sequences, which dp={cfg.dp} replicas cannot share equally; "
             f"batch_size must be a multiple of microbatches x dp = {cfg.microbatches * cfg.dp}"
         )
-    if cfg.schedule != SYNC:
-        spec = schedule_spec(cfg.schedule)
-        problem = spec.microbatch_problem(cfg.stages, cfg.microbatches)
-        if problem:
-            raise ConfigError(problem)
-        if spec.split_backward and (cfg.activation_checkpointing or cfg.compile):
-            raise ConfigError(
-                f"{spec.name} splits each backward in two with hooks on the stage's linear "
-                "layers, which activation checkpointing's recomputation and torch.compile's "
-                "graphs do not run as the forward did; set activation_checkpointing=false and "
-                "compile=false, or use 1f1b"
-            )
-        if spec.step_per_microbatch and cfg.microbatches != 1:
-            raise ConfigError(
-                f"{spec.name} steps the optimizer after every microbatch, so each step is one "
-                f"microbatch; set microbatches=1 (got {cfg.microbatches}) and choose batch_size "
-                "as the microbatch size"
-            )
+    spec = schedule_spec(cfg.schedule)
+    problem = spec.microbatch_problem(cfg.stages, cfg.microbatches)
+    if problem:
+        raise ConfigError(problem)
+    if spec.split_backward and (cfg.activation_checkpointing or cfg.compile):
+        raise ConfigError(
+            f"{spec.name} splits each backward in two with hooks on the stage's linear "
+            "layers, which activation checkpointing's recomputation and torch.compile's "
+            "graphs do not run as the forward did; set activation_checkpointing=false and "
+            "compile=false, or use 1f1b"
+        )
+    if spec.step_per_microbatch and cfg.microbatches != 1:
+        raise ConfigError(
+            f"{spec.name} steps the optimizer after every microbatch, so each step is one "
+            f"microbatch; set microbatches=1 (got {cfg.microbatches}) and choose batch_size "
+            "as the microbatch size"
+        )
     if cfg.stage_layers is not None and len(cfg.stage_layers) != cfg.model_stages():
         parts = (
             f"stages={cfg.stages}"
@@ -576,7 +564,7 @@ def _check_model(cfg: TrainConfig) -> None:
     mc = model_config(cfg, tokenizer_vocab=1)
     stages = cfg.model_stages()
     partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
-    if mc.tie_embeddings and stages > 1 and cfg.schedule != SYNC:
+    if mc.tie_embeddings and stages > 1:
         spec, last = schedule_spec(cfg.schedule), stages - 1
         if spec.delay(0, stages) != spec.delay(last, stages):
             raise ConfigError(

@@ -1,7 +1,7 @@
 """The weights each step's forwards and backwards run at, with or without weight prediction.
 
 Without a correction, stage s with gradient delay d runs step t at its version c = max(t - d, 0)
-(:mod:`nobubble.delay`). Weight prediction (``correction=predict``) runs it at
+(:mod:`nobubble.schedules.registry`). Weight prediction (``correction=predict``) runs it at
 
     ŵ[t] = w[c] + d·(w[c] - w[c-1]),    w[-1] = w[0]
 
@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from nobubble.delay import gradient_version
-from nobubble.versions import VersionStore, Weights
+from nobubble.versions import VersionStore, Weights, gradient_version
 
 
 class StepWeights:

@@ -30,8 +30,8 @@ from nobubble.checkpoint import (
     verify_checkpoint,
 )
 from nobubble.config import FIELDS, ConfigError, TrainConfig, build_config
-from nobubble.delay import stage_delays
 from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, write_json_atomic
+from nobubble.schedules.registry import schedule_spec
 from nobubble.tracking import require_loggers
 
 SAFE_TO_CHANGE = frozenset(
@@ -136,8 +136,8 @@ def check_layout_change(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> 
         for key in ("stages", "chunks", "stage_layers", "embed_cost", "head_cost")
         if key == "stages" or getattr(saved, key) != getattr(cfg, key)
     )
-    old_delay = stage_delays(saved.schedule, saved.model_stages())
-    new_delay = stage_delays(cfg.schedule, cfg.model_stages())
+    old_delay = schedule_spec(saved.schedule).delays(saved.model_stages())
+    new_delay = schedule_spec(cfg.schedule).delays(cfg.model_stages())
     for unit, stage in old_stage.items():
         before, after = old_delay[stage], new_delay[new_stage[unit]]
         if before != after:

@@ -26,7 +26,6 @@ from torch.func import functional_call
 
 from nobubble.checkpoint import CheckpointError
 from nobubble.config import ConfigError, TrainConfig, chosen_corrections
-from nobubble.delay import gradient_version, stage_delays
 from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
@@ -38,9 +37,10 @@ from nobubble.optim import build_optimizer
 from nobubble.optim.named_state import load_named_state, named_state
 from nobubble.prediction import StepWeights
 from nobubble.profiling import OFF, label, labelled
+from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import apply_stage_options
 from nobubble.update import combined_norm, optimizer_step, prepare_step
-from nobubble.versions import VersionStore, Weights
+from nobubble.versions import VersionStore, Weights, gradient_version
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -198,7 +198,7 @@ class SimulatedEngine:
 
     def __init__(self, cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> None:
         stages = cfg.model_stages()  # interleaved: every model stage, one process for all
-        delays = stage_delays(cfg.schedule, stages)
+        delays = schedule_spec(cfg.schedule).delays(stages)
         if mc.tie_embeddings and len(set(delays)) > 1:
             raise ConfigError(
                 f"{cfg.schedule} gives the embedding (stage 0) and the head (stage "

@@ -35,9 +35,8 @@ from typing import Any
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.delay import gradient_version
 from nobubble.optim import clip_grad_norm, lr_at, set_lr
-from nobubble.versions import VersionStore
+from nobubble.versions import VersionStore, gradient_version
 
 
 def prepare_step(

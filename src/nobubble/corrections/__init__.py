@@ -31,11 +31,11 @@ from nobubble.corrections.dc import DelayCompensation
 from nobubble.corrections.nesterov import NesterovCorrection
 from nobubble.corrections.spike import SUPPORTED as SPIKE_OPTIMIZERS
 from nobubble.corrections.spike import SpikeCompensation
-from nobubble.delay import stage_delays
 from nobubble.model.partition import stage_parameter_names, stage_specs
 from nobubble.model.resolve import model_config
 from nobubble.optim.composite import OptimizerLike
 from nobubble.optim.ef import ErrorFeedback
+from nobubble.schedules.registry import schedule_spec
 
 ACTS_ON = ("update", "gradient", "weights")
 Delays = Callable[[], dict[torch.Tensor, int]]  # each parameter's delay, computed when asked
@@ -99,7 +99,7 @@ def parameter_delays(names: list[str], cfg: TrainConfig) -> dict[str, int]:
     """Each parameter's gradient delay under ``cfg``'s schedule and stage split, from its name
     (the names are the same in both backends)."""
 
-    delays = stage_delays(cfg.schedule, cfg.model_stages())
+    delays = schedule_spec(cfg.schedule).delays(cfg.model_stages())
     if len(set(delays)) == 1:
         return dict.fromkeys(names, delays[0])
     mc = model_config(cfg, tokenizer_vocab=1)
@@ -192,7 +192,7 @@ register(
 
 
 def _predict_refuses(cfg: TrainConfig) -> str | None:
-    if max(stage_delays(cfg.schedule, cfg.model_stages())) == 0:
+    if max(schedule_spec(cfg.schedule).delays(cfg.model_stages())) == 0:
         return (
             f"{cfg.schedule} with stages={cfg.stages} has no gradient delay to extrapolate over "
             "(every step would run at its weights themselves, a plain run under another name); "

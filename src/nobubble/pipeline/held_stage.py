@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from nobubble.config import TrainConfig, chosen_corrections
-from nobubble.delay import stage_delays
 from nobubble.layout import ParallelLayout
 from nobubble.model.layers import Stage
 from nobubble.model.moe import balance_routers, pack_routing, unpack_routing
@@ -24,6 +23,7 @@ from nobubble.optim import build_optimizer
 from nobubble.pipeline.replicas import ReplicaReduction
 from nobubble.pipeline.split_backward import SplitBackward
 from nobubble.prediction import StepWeights
+from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import apply_stage_options
 from nobubble.update import optimizer_step, prepare_step
 from nobubble.versions import VersionStore
@@ -54,7 +54,7 @@ class HeldStage:
         params = dict(self.module.named_parameters())
         self.store = VersionStore(params)
         self.optimizer = build_optimizer(list(params.items()), cfg)
-        self.delay = stage_delays(cfg.schedule, cfg.model_stages())[index]
+        self.delay = schedule_spec(cfg.schedule).delays(cfg.model_stages())[index]
         self.point = StepWeights(self.store, self.delay, "predict" in chosen_corrections(cfg))
         name = layout.name(index)
         self.reduction = (

@@ -22,9 +22,10 @@ the data-parallel one, so both copies take the same update and stay bitwise equa
 last stage first needs the new version in its forwards of the step after next, which wait for
 the first stage's forwards of that step anyway: the all-reduce costs no bubble.
 
-Versions follow :mod:`nobubble.delay` for the global step, so a run cut into segments (for
-evaluations and checkpoints) computes exactly what an uncut run computes; for a segment that
-starts the run the IR's own versions are checked against that rule before anything runs.
+Versions follow the schedule's delays (:mod:`nobubble.schedules.registry`) for the global step, so
+a run cut into segments (for evaluations and checkpoints) computes exactly what an uncut run
+computes; for a segment that starts the run the IR's own versions are checked against that rule
+before anything runs.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from nobubble.config import SYNC, TrainConfig
-from nobubble.delay import gradient_version, stage_delays
+from nobubble.config import TrainConfig
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
@@ -58,28 +58,23 @@ from nobubble.pipeline.routes import Routes, resolve_routes
 from nobubble.profiling import OFF, action_label, label, labelled
 from nobubble.schedules import Action, ActionKind, generate, lower, schedule_spec
 from nobubble.simulated import autocast, versions_from_tensors
+from nobubble.versions import gradient_version
 
 RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
 RECV_AHEAD = 4  # post a receive this many actions before the action that consumes it
-
-
-def ir_schedule(schedule: str) -> str:
-    """The IR generator behind a config schedule (``sync`` runs as 1f1b: same semantics)."""
-    return "1f1b" if schedule == SYNC else schedule
 
 
 def segment_actions(cfg: TrainConfig, pp_rank: int, start: int, stop: int) -> list[Action]:
     """The lowered actions of the process at pipeline position ``pp_rank`` for steps
     [start, stop), with global indices and versions."""
     # a step is cfg.microbatches microbatches (pipedream: 1, which the config enforces)
-    schedule = ir_schedule(cfg.schedule)
     chunks = cfg.stage_chunks()
     lowered = lower(
         generate(
-            schedule, cfg.stages, cfg.microbatches, stop - start, chunks if chunks > 1 else None
+            cfg.schedule, cfg.stages, cfg.microbatches, stop - start, chunks if chunks > 1 else None
         )
     )
-    delays = stage_delays(cfg.schedule, cfg.model_stages())
+    delays = schedule_spec(cfg.schedule).delays(cfg.model_stages())
     actions = []
     for action in lowered[pp_rank]:
         step = action.step + start
@@ -119,7 +114,7 @@ class PipelineEngine:
         specs = partition(
             mc.n_layers, layout.model_stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers
         )
-        split = schedule_spec(ir_schedule(cfg.schedule)).split_backward
+        split = schedule_spec(cfg.schedule).split_backward
         tied = tied_group(layout) if mc.tie_embeddings and layout.pp > 1 else None
         self.held = {
             stage: HeldStage(stage, specs[stage], cfg, mc, device, layout, replicas, tied, split)

@@ -12,7 +12,7 @@ from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
 from nobubble.planning.predict import Plan, Prediction, predict, shape_problem
 from nobubble.planning.shapes import PLANNING_SHAPES
-from nobubble.schedules import SCHEDULE_NAMES
+from nobubble.schedules.registry import PIPELINE_SCHEDULES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +111,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 def predictions(plan: Plan) -> tuple[list[Prediction], dict[str, str]]:
     """Every schedule's prediction, fastest first, and why the others cannot run this shape."""
     done, skipped = [], {}
-    for name in SCHEDULE_NAMES:
+    for name in PIPELINE_SCHEDULES:
         problem = shape_problem(plan, name)
         if problem:
             skipped[name] = problem

@@ -13,13 +13,9 @@ from pathlib import Path
 
 from nobubble.config import ConfigError
 from nobubble.planning.predict import Plan, Prediction, predict, shape_problem
-from nobubble.schedules import SCHEDULE_NAMES, schedule_spec
+from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
 
 ASYNC = "2bw"
-
-
-def synchronous_schedules() -> list[str]:
-    return [name for name in SCHEDULE_NAMES if schedule_spec(name).flushes]
 
 
 @dataclass(frozen=True)
@@ -44,7 +40,7 @@ class GridPoint:
 def grid_point(plan: Plan) -> GridPoint:
     """2bw and every synchronous schedule that can run ``plan``'s shape."""
     runs, skipped = [], {}
-    for name in synchronous_schedules():
+    for name in (n for n in PIPELINE_SCHEDULES if n in SYNCHRONOUS_SCHEDULES):
         problem = shape_problem(plan, name)
         if problem:
             skipped[name] = problem

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nobubble.config import SCHEDULES, SYNC_SCHEDULES, TrainConfig, chosen_corrections
+from nobubble.config import TrainConfig, chosen_corrections
 from nobubble.reporting.runs import Run
+from nobubble.schedules.registry import SCHEDULE_NAMES, SYNCHRONOUS_SCHEDULES
 
 # The keys that choose a delay correction or set one's strength (dropped to find the plain run).
 CORRECTION_KEYS = (
@@ -39,7 +40,7 @@ PIPELINE_KEYS = (
     "embed_cost",
     "head_cost",
 )
-SCHEDULE_ORDER = SCHEDULES  # sync first, then the pipeline schedules in the registry's order
+SCHEDULE_ORDER = SCHEDULE_NAMES  # sync first, then the pipeline schedules in the registry's order
 # A gap smaller than this many standard errors is treated as seed noise.
 CLEAR_GAP_SE = 2.0
 
@@ -82,7 +83,7 @@ class Group:
 
     @property
     def is_baseline(self) -> bool:
-        return self.settings["schedule"] in SYNC_SCHEDULES and not self.corrections
+        return self.settings["schedule"] in SYNCHRONOUS_SCHEDULES and not self.corrections
 
     @property
     def setup(self) -> str:

@@ -14,7 +14,7 @@ from nobubble.schedules.generators import generate
 from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import ScheduleError
 from nobubble.schedules.lowering import lower
-from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
+from nobubble.schedules.registry import PIPELINE_SCHEDULES, SCHEDULE_NAMES, schedule_spec
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import render_text
 from nobubble.schedules.simulator import SimResult, simulate, split_rank_times
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     Bad input raises :class:`ScheduleError` (or ConfigError for an output path) before any work.
     """
     _check(args)
-    names = SCHEDULE_NAMES if args.schedule == "all" else (args.schedule,)
+    names = PIPELINE_SCHEDULES if args.schedule == "all" else (args.schedule,)
     shape = f"P={args.stages} M={args.microbatches} steps={args.steps}"
     results: dict[str, SimResult] = {}
     violations: dict[str, list[str]] = {}
