@@ -43,7 +43,8 @@ from nobubble.bench.report import (
 )
 from nobubble.bench.torch_worker import P2PWaitClock, torch_schedules
 from nobubble.bench.variants import VARIANTS, Shape, command, twin
-from nobubble.config import ConfigError, TrainConfig, build_config
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config
 
 
 def parse(*argv: str) -> argparse.Namespace:

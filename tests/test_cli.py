@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nobubble.cli import main
-from nobubble.config import FIELDS, ConfigError, build_config, load_toml, parse_overrides
+from nobubble.config import FIELDS, ConfigError, load_toml, parse_overrides
+from nobubble.configure import build_config
 from tests.pipeline_helpers import SMALL
 
 

@@ -20,7 +20,8 @@ import signal
 
 import pytest
 
-from nobubble.config import ConfigError, build_config
+from nobubble.config import ConfigError
+from nobubble.configure import build_config
 from tests.pipeline_helpers import (
     EXTENDED,
     assert_same_run,

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.optim import build_optimizer
+from nobubble.one_process import DelayedTrainer
 from nobubble.schedules.registry import schedule_spec
-from nobubble.simulated import DelayedTrainer
 from nobubble.versions import gradient_version
 
 
@@ -29,13 +28,11 @@ def quadratic_trainer(delays: list[int], optim: str = "sgd", **overrides) -> Del
         **overrides,
     )
     params = [{f"w{s}": torch.nn.Parameter(torch.ones(1, dtype=torch.float64))} for s in delays]
-    named = [item for stage in params for item in stage.items()]
-    optimizer = build_optimizer(named, cfg)
 
     def micro_loss(weights, micro):
         return sum(0.5 * (w * w).sum() for w in weights.values())
 
-    return DelayedTrainer(params, delays, optimizer, micro_loss, cfg)
+    return DelayedTrainer(params, delays, micro_loss, cfg)
 
 
 def run(trainer: DelayedTrainer, steps: int) -> list[list[float]]:

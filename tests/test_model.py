@@ -144,7 +144,7 @@ def test_explicit_partition_and_its_errors():
 
 
 def test_vocab_size_and_norm_eps_override_the_preset_and_a_too_small_vocabulary_is_refused():
-    from nobubble.config import build_config
+    from nobubble.configure import build_config
 
     mc = model_config(build_config({"vocab_size": 384, "norm_eps": 1e-6}), tokenizer_vocab=257)
     assert (mc.vocab_size, mc.norm_eps) == (384, 1e-6)

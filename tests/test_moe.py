@@ -16,7 +16,7 @@ from nobubble.model.partition import StageSpec
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
 from nobubble.optim.expert_muon import ExpertMuon
-from nobubble.optim.routing import Kind, classify
+from nobubble.optim.param_groups import Kind, classify
 from nobubble.planning.costs import stage_costs
 
 

@@ -9,18 +9,15 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
+from nobubble.corrections.ef import ErrorFeedback
 from nobubble.model.layers import build_model, lm_loss
 from nobubble.model.presets import PRESETS
-from nobubble.optim import (
-    OPTIMIZERS,
-    CompositeOptimizer,
-    ErrorFeedback,
-    Kind,
-    build_optimizer,
-    classify,
-    set_lr,
-)
+from nobubble.optim.composite import CompositeOptimizer
 from nobubble.optim.expert_muon import ExpertMuon
+from nobubble.optim.lr_schedule import set_lr
+from nobubble.optim.param_groups import Kind, classify
+from nobubble.optim.registry import OPTIMIZERS, build_optimizer
+from nobubble.update import build_stage_optimizer
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
 # Same names and kinds as tiny, small enough to step every optimizer many times quickly.
@@ -167,7 +164,7 @@ def test_every_optimizer_fits_a_fixed_batch_on_tiny(optim: str, ef: bool) -> Non
     tokens = torch.randint(0, TINY.vocab_size, (2, 33))
     model = build_model(TINY)
     cfg = TrainConfig(optim=optim, lr=FIT_LR.get(optim, 3e-3), ef=ef)
-    opt = build_optimizer(list(model.named_parameters()), cfg)
+    opt = build_stage_optimizer(list(model.named_parameters()), cfg, delay=1)
     assert isinstance(opt, ErrorFeedback) == ef
     losses = []
     for _ in range(10):
@@ -196,8 +193,8 @@ def test_stage_subsets_update_like_the_whole_model(optim: str, ef: bool) -> None
     staged_named = list(staged.named_parameters())
     split = next(i for i, (n, _) in enumerate(staged_named) if n.startswith("blocks.1."))
     stages = [staged_named[:split], staged_named[split:]]  # embed + block 0 | block 1 + head
-    whole_opt = build_optimizer(whole_named, cfg)
-    stage_opts = [build_optimizer(named, cfg) for named in stages]
+    whole_opt = build_stage_optimizer(whole_named, cfg, delay=1)
+    stage_opts = [build_stage_optimizer(named, cfg, delay=1) for named in stages]
     for step in range(3):
         _set_grads(whole_named, step)
         _set_grads(staged_named, step)
@@ -221,7 +218,7 @@ def test_state_dict_resume_equals_uninterrupted_training(optim: str, ef: bool) -
     cfg = TrainConfig(optim=optim, lr=1e-2, ef=ef)
     model = build_model(SMALL)
     named = list(model.named_parameters())
-    opt = build_optimizer(named, cfg)
+    opt = build_stage_optimizer(named, cfg, delay=1)
     for step in range(4):
         _set_grads(named, step)
         opt.step()
@@ -231,7 +228,7 @@ def test_state_dict_resume_equals_uninterrupted_training(optim: str, ef: bool) -
     resumed = build_model(SMALL, seed=1)
     resumed.load_state_dict(saved_model)
     resumed_named = list(resumed.named_parameters())
-    resumed_opt = build_optimizer(resumed_named, cfg)
+    resumed_opt = build_stage_optimizer(resumed_named, cfg, delay=1)
     resumed_opt.load_state_dict(saved_opt)
     for step in range(4, 12):  # past SOAP's eigenbasis refresh at step 10
         for named_, opt_ in ((named, opt), (resumed_named, resumed_opt)):

@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nobubble.config import ConfigError, build_config
+from nobubble.config import ConfigError
+from nobubble.configure import build_config
+from nobubble.one_process import DelayedTrainer
+from nobubble.runfolder import run_name
 from nobubble.schedules.registry import schedule_spec
-from nobubble.simulated import DelayedTrainer
 from tests.pipeline_helpers import assert_same_run, losses
 from tests.test_delay_exact import adamw_update, column, quadratic_trainer, run
 from tests.test_resume import cut_back_to, resume, train
@@ -126,7 +128,7 @@ def test_a_stage_holds_one_more_version_and_nothing_else():
             trainer.train_step([torch.zeros(1)])
         # versions t-d-1 .. t between steps; no prediction and no spare buffer left behind
         assert [len(store.held()) for store in trainer.stores] == held
-        assert [point.copies() for point in trainer.points] == held
+        assert [stage.point.copies() for stage in trainer.stages] == held
         assert [store.free for store in trainer.stores] == [[]] * stages
 
 
@@ -148,7 +150,7 @@ def test_predict_without_a_delay_is_refused(settings, error):
 
 def test_predict_combines_with_ef():
     cfg = build_config({"schedule": "2bw", "correction": "ef+predict"})
-    assert cfg.run_name().startswith("tiny-adamw-2bw-ef-predict-")
+    assert run_name(cfg).startswith("tiny-adamw-2bw-ef-predict-")
 
 
 # -- the training loop: checkpoints and resume ----------------------------------------------------

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from nobubble.checkpoint import verify_checkpoint
+from nobubble.checkpoint.files import verify_checkpoint
 from nobubble.cli import main
 from tests.pipeline_helpers import SMALL, assert_same_run, metrics, snapshot
 

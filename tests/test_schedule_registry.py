@@ -3,7 +3,9 @@ weight versions is what the generated action lists do, and the config and CLI of
 
 import pytest
 
-from nobubble.config import ConfigError, TrainConfig, validate
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config, resolve_config
+from nobubble.layout import ParallelLayout
 from nobubble.schedules import SCHEDULE_NAMES, check_invariants, generate, lower, simulate
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES, schedule_spec
 from nobubble.schedules.registry import SCHEDULES as SPECS
@@ -23,20 +25,24 @@ def test_sync_is_an_entry_with_the_semantics_of_1f1b():
 
 def test_chunks_are_the_schedules_and_count_model_stages():
     """``stages`` counts processes; interleaved-1f1b cuts the model into stages x chunks."""
-    cfg = TrainConfig(schedule="interleaved-1f1b", stages=2, microbatches=2, batch_size=2)
-    validate(cfg)
-    assert (cfg.stage_chunks(), cfg.model_stages()) == (2, 4)
-    three = TrainConfig(schedule="interleaved-1f1b", stages=2, chunks=3, microbatches=2)
-    assert three.model_stages() == 6
-    assert TrainConfig(schedule="2bw", stages=3).model_stages() == 3
+    cfg = build_config(
+        {"schedule": "interleaved-1f1b", "stages": 2, "microbatches": 2, "batch_size": 2}
+    )
+    assert (cfg.chunks, ParallelLayout.of(cfg).model_stages) == (2, 4)
+    three = build_config(
+        {"schedule": "interleaved-1f1b", "stages": 2, "chunks": 3, "microbatches": 2}
+    )
+    assert ParallelLayout.of(three).model_stages == 6
+    two_bw = build_config({"schedule": "2bw", "stages": 3, "microbatches": 3, "batch_size": 3})
+    assert ParallelLayout.of(two_bw).model_stages == 3
     with pytest.raises(ConfigError, match="chunks=1: interleaved-1f1b needs at least 2"):
-        validate(TrainConfig(schedule="interleaved-1f1b", stages=2, chunks=1, microbatches=2))
+        resolve_config(TrainConfig(schedule="interleaved-1f1b", stages=2, chunks=1, microbatches=2))
     with pytest.raises(ConfigError, match="chunks=2: 1f1b runs one stage per rank"):
-        validate(TrainConfig(schedule="1f1b", stages=2, chunks=2, microbatches=2))
+        resolve_config(TrainConfig(schedule="1f1b", stages=2, chunks=2, microbatches=2))
     with pytest.raises(ConfigError, match="chunks=2: sync runs one stage per rank"):
-        validate(TrainConfig(schedule="sync", chunks=2))
+        resolve_config(TrainConfig(schedule="sync", chunks=2))
     with pytest.raises(ConfigError, match=r"lists 2 stages but stages x chunks = 2 x 2 = 4"):
-        validate(
+        resolve_config(
             TrainConfig(schedule="interleaved-1f1b", stages=2, microbatches=2, stage_layers=[2, 2])
         )
 

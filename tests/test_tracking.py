@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nobubble.cli import main
-from nobubble.config import build_config
+from nobubble.configure import build_config
 from nobubble.data import load_tokenizer
 from nobubble.flops import flops_per_token
 from nobubble.model.resolve import model_config

@@ -1,4 +1,5 @@
-"""``nobubble train | schedule``: the command line.
+"""``nobubble``: the command line (train, and the tools: schedule, sweep, report, bench, export,
+eval, plan).
 
 Every field of :class:`nobubble.config.TrainConfig` is a flag (``--batch-size 32``; booleans also
 ``--no-ef``) and a ``key=value`` override; ``--config FILE.toml`` supplies a base layer.
@@ -7,34 +8,33 @@ Every field of :class:`nobubble.config.TrainConfig` is a flag (``--batch-size 32
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from nobubble.config import (
-    FIELDS,
-    ConfigError,
-    TrainConfig,
-    build_config,
-    load_toml,
-    parse_overrides,
-)
-
-_HINTS = typing.get_type_hints(TrainConfig)
+from nobubble.config import FIELDS, HINTS, ConfigError, TrainConfig, load_toml, parse_overrides
+from nobubble.configure import REGISTRY_NAMES, build_config
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _choices(field: dataclasses.Field) -> str:
+    """``one of: a, b; `` for a setting of fixed words or of a registry's names."""
+    registry = field.metadata["registry"]
+    options = REGISTRY_NAMES[registry] if registry else field.metadata["choices"]
+    return f"one of: {', '.join(options)}; " if options else ""
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="base configuration file")
     group = parser.add_argument_group("configuration (also settable as key=value)")
     for name, field in FIELDS.items():
-        help_text = f"{field.metadata['help']} (default: {field.default})"
-        if _HINTS[name] in (bool, bool | None):
+        help_text = f"{field.metadata['help']} ({_choices(field)}default: {field.default})"
+        if HINTS[name] in (bool, bool | None):
             group.add_argument(
                 _flag(name),
                 dest=name,
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from nobubble.checkpoint import CheckpointError
+    from nobubble.checkpoint.files import CheckpointError
     from nobubble.data import DataError
     from nobubble.pipeline.comm import PeerFailure
     from nobubble.schedules import ScheduleError

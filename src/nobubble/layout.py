@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nobubble.config import ConfigError
+from nobubble.config import ConfigError, TrainConfig
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -55,6 +55,14 @@ class ParallelLayout:
                 f"chunks={self.chunks})"
             )
         self._check_rank(self.rank)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, rank: int = 0) -> ParallelLayout:
+        """The layout ``cfg`` asks for, seen from ``rank`` (as a description, rank 0 will do);
+        ``chunks`` must be resolved (:func:`nobubble.configure.build_config` does)."""
+        if cfg.chunks is None:
+            raise ValueError("chunks is not resolved: build the config with build_config")
+        return cls(cfg.stages, cfg.dp, rank, cfg.chunks)
 
     @classmethod
     def from_world(cls, pp: int, dp: int, rank: int, world: int, chunks: int = 1) -> ParallelLayout:

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from nobubble.checkpoint import (
+from nobubble.checkpoint.files import (
     CheckpointError,
     check_format,
     checkpoint_step,
@@ -29,7 +29,11 @@ from nobubble.checkpoint import (
     sha256,
     verify_checkpoint,
 )
-from nobubble.config import FIELDS, ConfigError, TrainConfig, build_config
+from nobubble.config import FIELDS, ConfigError, TrainConfig
+from nobubble.configure import build_config
+from nobubble.layout import ParallelLayout
+from nobubble.model.partition import stage_specs
+from nobubble.model.resolve import model_config
 from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, write_json_atomic
 from nobubble.schedules.registry import schedule_spec
 from nobubble.tracking import require_loggers
@@ -108,13 +112,9 @@ def _layout_changes(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
 
 def unit_stages(cfg: TrainConfig) -> dict[str, int]:
     """The stage of every part of the model (the embedding, each block, the head) under ``cfg``."""
-    from nobubble.model.partition import partition
-    from nobubble.model.resolve import model_config
-
     mc = model_config(cfg, tokenizer_vocab=1)  # the split does not depend on the vocabulary
     owner: dict[str, int] = {}
-    stages = cfg.model_stages()
-    for spec in partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers):
+    for spec in stage_specs(cfg, mc):
         if spec.has_embed:
             owner["the embedding"] = spec.index
         owner.update({f"block {block}": spec.index for block in spec.blocks})
@@ -136,8 +136,8 @@ def check_layout_change(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> 
         for key in ("stages", "chunks", "stage_layers", "embed_cost", "head_cost")
         if key == "stages" or getattr(saved, key) != getattr(cfg, key)
     )
-    old_delay = schedule_spec(saved.schedule).delays(saved.model_stages())
-    new_delay = schedule_spec(cfg.schedule).delays(cfg.model_stages())
+    old_delay = schedule_spec(saved.schedule).delays(ParallelLayout.of(saved).model_stages)
+    new_delay = schedule_spec(cfg.schedule).delays(ParallelLayout.of(cfg).model_stages)
     for unit, stage in old_stage.items():
         before, after = old_delay[stage], new_delay[new_stage[unit]]
         if before != after:
@@ -162,8 +162,8 @@ def split_change_note(saved: TrainConfig, cfg: TrainConfig, step: int) -> str | 
         return None
     return (
         f"gradients are clipped per stage (grad_clip={cfg.grad_clip}), so from step {step} on "
-        f"they are clipped over the {cfg.model_stages()} new stages, not the "
-        f"{saved.model_stages()} of the run "
+        f"they are clipped over the {ParallelLayout.of(cfg).model_stages} new stages, not the "
+        f"{ParallelLayout.of(saved).model_stages} of the run "
         "so far: the continuation is exactly what the new split computes from the checkpoint, "
         "but not what the old split would have computed (set grad_clip=0 at the start of a run "
         "for a clip-free run that can change its split without any difference)"

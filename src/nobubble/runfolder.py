@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import ConfigError, TrainConfig
+from nobubble.corrections.registry import chosen
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -32,8 +33,18 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     os.replace(tmp, path)
 
 
+def run_name(cfg: TrainConfig) -> str:
+    """``name``, or one made of the settings that tell runs apart (preset, optimizer, schedule,
+    corrections, stages, dp, seed)."""
+    if cfg.name:
+        return cfg.name
+    corrections = "".join(f"-{name}" for name in chosen(cfg))
+    dp = f"-dp{cfg.dp}" if cfg.dp > 1 else ""
+    return f"{cfg.preset}-{cfg.optim}-{cfg.schedule}{corrections}-p{cfg.stages}{dp}-s{cfg.seed}"
+
+
 def default_run_dir(cfg: TrainConfig) -> Path:
-    return Path("runs") / f"{cfg.run_name()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path("runs") / f"{run_name(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def run_path(cfg: TrainConfig) -> Path:

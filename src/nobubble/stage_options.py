@@ -1,4 +1,5 @@
-"""The options of a stage module: activation checkpointing, torch.compile, the MoE loss share.
+"""The options of a stage module: activation checkpointing, torch.compile, the MoE loss share,
+and the dtype its matmuls run in (:func:`autocast`).
 
 Both backends build their modules (the simulator's whole model, a pipeline rank's stage) and
 hand them here, so the two apply the options alike (docs/training.md, "Compile and activation
@@ -6,6 +7,8 @@ checkpointing").
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -53,3 +56,10 @@ def check_compilable(device: torch.device) -> None:
             f"and none was found ({exc}); install g++ (or point CXX at one), or set "
             "compile=false"
         ) from None
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """The context a stage's forward runs in: bfloat16 autocast for its matmuls, or nothing."""
+    if dtype == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

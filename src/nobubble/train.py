@@ -19,7 +19,7 @@ from types import TracebackType
 import torch
 from tqdm import tqdm
 
-from nobubble.checkpoint import (
+from nobubble.checkpoint.files import (
     CheckpointError,
     CheckpointReader,
     checkpoint_name,
@@ -29,6 +29,7 @@ from nobubble.checkpoint import (
     staging_dir,
     write_shard,
 )
+from nobubble.checkpoint.named_state import NamedStateError
 from nobubble.config import TrainConfig, chosen_loggers
 from nobubble.data import DataBundle, build_data
 from nobubble.engine import Engine, StepStats, peak_memory_mb
@@ -39,7 +40,7 @@ from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model.moe import routing_metrics
 from nobubble.model.presets import ModelConfig
 from nobubble.model.resolve import model_config
-from nobubble.optim.named_state import NamedStateError
+from nobubble.one_process import OneProcessEngine
 from nobubble.profiling import profiled
 from nobubble.provenance import provenance
 from nobubble.resume import open_run, resume_command, tokenizer_digest
@@ -401,8 +402,6 @@ def train(
     cfg: TrainConfig, overwrite: bool = False, resume: bool = False, auto_resume: bool = False
 ) -> Path:
     """Train in this process (the simulator of ``cfg.schedule``); return the run folder."""
-    from nobubble.simulated import SimulatedEngine
-
     configure_torch(cfg)
     device = resolve_device(cfg.device)
     setup = open_run(cfg, overwrite, resume, auto_resume)
@@ -412,7 +411,7 @@ def train(
         source = init_source(cfg, setup.checkpoint)
         if source:
             check_init_from(source, mc, data.tokenizer)
-        engine = SimulatedEngine(cfg, mc, device)
+        engine = OneProcessEngine(cfg, mc, device)
         before = restore_checkpoint(setup.checkpoint, engine, data)
         if source:
             load_init_from(engine, source)

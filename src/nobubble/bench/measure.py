@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import TrainConfig, build_config
+from nobubble.config import TrainConfig
+from nobubble.configure import build_config
 from nobubble.schedules import generate, lower, simulate
 from nobubble.schedules.simulator import SimResult, split_rank_times
 
@@ -237,9 +238,7 @@ def read_run(run_dir: Path, skip_tokens: int, like: Sequence[dict] | None = None
     busy = [s.busy_s for s in stages]
     # what to simulate it as: the run's schedule, or what a torch baseline names (None: nothing
     # of ours runs its order)
-    simulated = summary.get(
-        "simulated_as", {"schedule": cfg.schedule, "chunks": cfg.stage_chunks()}
-    )
+    simulated = summary.get("simulated_as", {"schedule": cfg.schedule, "chunks": cfg.chunks})
     timed = uniform = predicted = None
     if simulated is not None:
         name, chunks = simulated["schedule"], simulated["chunks"]

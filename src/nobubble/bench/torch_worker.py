@@ -44,13 +44,13 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from nobubble.config import ConfigError, TrainConfig, build_config, parse_overrides
+from nobubble.config import ConfigError, TrainConfig, parse_overrides
+from nobubble.configure import build_config
 from nobubble.engine import peak_memory_mb
 from nobubble.layout import ParallelLayout, device_mesh
 from nobubble.model.layers import Stage, lm_loss
-from nobubble.model.partition import partition
+from nobubble.model.partition import stage_specs
 from nobubble.model.resolve import model_config
-from nobubble.optim import build_optimizer
 from nobubble.pipeline.launch import build_stage_data, launch_layout
 from nobubble.pipeline.process_group import (
     close_process_group,
@@ -60,9 +60,10 @@ from nobubble.pipeline.process_group import (
 )
 from nobubble.pipeline.replicas import ReplicaReduction, replica_rows
 from nobubble.runfolder import RunFolder
-from nobubble.simulated import autocast
+from nobubble.schedules.registry import schedule_spec
+from nobubble.stage_options import autocast
 from nobubble.train import configure_torch
-from nobubble.update import clip_stage, optimizer_step
+from nobubble.update import build_stage_optimizer, clip_stage, optimizer_step
 
 TORCH_SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -70,7 +71,8 @@ TORCH_SCHEDULES = {
     "interleaved-1f1b": ScheduleInterleaved1F1B,
     "interleaved-zb": ScheduleInterleavedZeroBubble,
 }
-CHUNKS = 2  # stages per rank of torch's interleaved schedules: stage c·P + r on rank r
+# stages per rank of torch's interleaved schedules (ours' default): stage c·P + r on rank r
+CHUNKS = schedule_spec("interleaved-1f1b").default_chunks
 # What the benchmark's simulator runs for each: our order of the same schedule, or nothing (None:
 # torch's interleaved zero-bubble order is its own); absent: the config's schedule
 SIMULATED_AS = {"interleaved-1f1b": {"schedule": "interleaved-1f1b", "chunks": CHUNKS},
@@ -134,21 +136,20 @@ class TorchStageRunner:
                 f"the torch baseline {schedule} runs without data parallelism here; leave it out "
                 "of --schedules with --dp"
             )
-        stages = cfg.stages * chunks
         layers = cfg.stage_layers if chunks == 1 else None  # stage_layers lists P stages
-        specs = partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, layers)
+        specs = stage_specs(dataclasses.replace(cfg, chunks=chunks, stage_layers=layers), mc)
         indices = dataclasses.replace(layout, chunks=chunks).stages  # the layout's placement
         self.modules = [Stage(mc, specs[i], cfg.seed).to(device) for i in indices]
         self.module = torch.nn.ModuleList(self.modules)  # for the parameter counts below
         named = [(n, p) for m in self.modules for n, p in m.named_parameters()]
-        self.optimizer = build_optimizer(named, cfg)
+        self.optimizer = build_stage_optimizer(named, cfg, delay=0)  # synchronous
         pipeline, self.reduction = None, None  # dp = 1: the default group, rank = stage
         if layout.dp > 1:
             mesh = device_mesh(layout, device.type)  # not kept: it holds the default group
             pipeline = mesh.get_group("pp")
             self.reduction = ReplicaReduction(mesh.get_group("dp"), layout.dp)
         pipe = [
-            PipelineStage(m, i, stages, device, group=pipeline)
+            PipelineStage(m, i, len(specs), device, group=pipeline)
             for m, i in zip(self.modules, indices, strict=True)
         ]
         self.schedule = TORCH_SCHEDULES[schedule](

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nobubble.config import ConfigError
-from nobubble.corrections import REGISTRY as CORRECTIONS
+from nobubble.corrections.registry import REGISTRY as CORRECTIONS
 from nobubble.schedules.registry import schedule_spec
 
 NOBUBBLE, TORCH = "nobubble", "torch"

@@ -33,14 +33,15 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizerModel
 
 from nobubble import __version__
-from nobubble.checkpoint import (
+from nobubble.checkpoint.files import (
     CheckpointError,
     CheckpointReader,
     checkpoint_name,
     read_meta,
     verify_checkpoint,
 )
-from nobubble.config import ConfigError, build_config
+from nobubble.config import ConfigError
+from nobubble.configure import build_config
 from nobubble.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
 from nobubble.model.presets import ModelConfig

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nobubble.config import ConfigError, TrainConfig
+from nobubble.layout import ParallelLayout
 from nobubble.model.presets import ModelConfig
 
 TIED_WEIGHT = "embed.weight"  # the tied embedding/head weight, under this name in every layout
@@ -105,9 +106,8 @@ def _balanced_counts(n_layers: int, stages: int, embed: float, head: float) -> l
 def stage_specs(cfg: TrainConfig, mc: ModelConfig) -> list[StageSpec]:
     """The model stages of ``cfg`` (``stages`` x chunks of them) for the model ``mc``: the one
     call every backend, check and tool makes to learn the split."""
-    return partition(
-        mc.n_layers, cfg.model_stages(), cfg.embed_cost, cfg.head_cost, cfg.stage_layers
-    )
+    stages = ParallelLayout.of(cfg).model_stages
+    return partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
 
 
 def stage_parameter_names(names: Sequence[str], specs: Sequence[StageSpec]) -> list[list[str]]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from nobubble.config import LR_SCHEDULES, TrainConfig
+from nobubble.config import TrainConfig
+from nobubble.config.optimizer import LR_SCHEDULES
 from nobubble.optim.composite import OptimizerLike
 
 

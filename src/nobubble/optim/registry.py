@@ -1,6 +1,6 @@
 """The optimizer registry: config → optimizer over any subset of named parameters.
 
-Every factory takes the param groups of :func:`nobubble.optim.routing.param_groups` (one per
+Every factory takes the param groups of :func:`nobubble.optim.param_groups.param_groups` (one per
 kind, each with its weight decay) and maps the config's hyperparameters onto the library's
 arguments; docs/optimizers.md lists the mapping and the reasons behind each choice.
 """
@@ -15,7 +15,7 @@ import torch
 from nobubble.config import TrainConfig
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 from nobubble.optim.expert_muon import ExpertMuon
-from nobubble.optim.routing import Kind, param_groups
+from nobubble.optim.param_groups import Kind, param_groups
 
 Groups = list[dict[str, Any]]
 
@@ -141,18 +141,15 @@ OPTIMIZERS: tuple[str, ...] = tuple(_FACTORIES)
 def build_optimizer(
     named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
 ) -> OptimizerLike:
-    """The optimizer ``cfg.optim`` over these parameters, wrapped in the update-side delay
-    correction ``cfg.correction`` chooses, if any (:mod:`nobubble.corrections`).
+    """The optimizer ``cfg.optim`` over these parameters (a stage's delay correction wraps it:
+    :func:`nobubble.update.build_stage_optimizer`).
 
     Any subset (one pipeline stage's parameters) gives the same per-parameter updates as the
-    whole model: routing, every optimizer's math and every correction are per parameter.
+    whole model: the parameter groups and every optimizer's math are per parameter.
     """
-    from nobubble.corrections import wrap_optimizer  # corrections import the optimizers
-
     if cfg.optim not in _FACTORIES:
         raise ValueError(f"unknown optimizer {cfg.optim!r}; choose one of: {', '.join(OPTIMIZERS)}")
     groups = param_groups(named_params, cfg)
     if not groups:
         raise ValueError("build_optimizer got no trainable parameters")
-    optimizer = _FACTORIES[cfg.optim](groups, cfg)
-    return wrap_optimizer(optimizer, named_params, cfg)
+    return _FACTORIES[cfg.optim](groups, cfg)

@@ -56,7 +56,7 @@ def launched_by_torchrun() -> bool:
 def launch_layout(cfg: TrainConfig) -> ParallelLayout:
     """This process's layout, from torchrun's environment."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    chunks = cfg.stage_chunks()
+    chunks = cfg.chunks
     if chunks > 1 and cfg.stages == 1:
         raise ConfigError(
             f"{cfg.schedule} with stages=1 puts all {chunks} model stages on one process, which "

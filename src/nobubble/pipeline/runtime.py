@@ -8,7 +8,7 @@ version its action names and every B with the same one (weight stashing through
 ``functional_call``, never an in-place swap); a STEP clips, steps the optimizer on the newest
 version and, when microbatches in flight still need it, first copies it (two versions under 2bw).
 With weight prediction every F and B of a step runs at its prediction ŵ instead, formed at the
-step's first F from the versions held then (:mod:`nobubble.prediction`).
+step's first F from the versions held then (:mod:`nobubble.corrections.predict`).
 
 With data parallelism the replicas of a stage average their gradient at every STEP
 (:mod:`nobubble.pipeline.replicas`); the rest of that STEP's update waits until an action needs the
@@ -42,22 +42,22 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
+from nobubble.checkpoint.named_state import NamedState
 from nobubble.config import TrainConfig
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
 from nobubble.model.layers import lm_loss
 from nobubble.model.moe import routing_size, unpack_routing
-from nobubble.model.partition import partition
+from nobubble.model.partition import stage_specs
 from nobubble.model.presets import ModelConfig
-from nobubble.optim.named_state import NamedState, load_named_state, named_state
 from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.replicas import PendingReduction, replica_rows
 from nobubble.pipeline.routes import Routes, resolve_routes
 from nobubble.profiling import OFF, action_label, label, labelled
 from nobubble.schedules import Action, ActionKind, generate, lower, schedule_spec
-from nobubble.simulated import autocast, versions_from_tensors
+from nobubble.stage_options import autocast
 from nobubble.versions import gradient_version
 
 RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
@@ -68,13 +68,13 @@ def segment_actions(cfg: TrainConfig, pp_rank: int, start: int, stop: int) -> li
     """The lowered actions of the process at pipeline position ``pp_rank`` for steps
     [start, stop), with global indices and versions."""
     # a step is cfg.microbatches microbatches (pipedream: 1, which the config enforces)
-    chunks = cfg.stage_chunks()
+    chunks = cfg.chunks
     lowered = lower(
         generate(
             cfg.schedule, cfg.stages, cfg.microbatches, stop - start, chunks if chunks > 1 else None
         )
     )
-    delays = schedule_spec(cfg.schedule).delays(cfg.model_stages())
+    delays = schedule_spec(cfg.schedule).delays(ParallelLayout.of(cfg).model_stages)
     actions = []
     for action in lowered[pp_rank]:
         step = action.step + start
@@ -111,9 +111,7 @@ class PipelineEngine:
         replicas: dist.ProcessGroup | None = None,
     ) -> None:
         self.cfg, self.device, self.layout = cfg, device, layout
-        specs = partition(
-            mc.n_layers, layout.model_stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers
-        )
+        specs = stage_specs(cfg, mc)
         split = schedule_spec(cfg.schedule).split_backward
         tied = tied_group(layout) if mc.tie_embeddings and layout.pp > 1 else None
         self.held = {
@@ -124,7 +122,7 @@ class PipelineEngine:
         # the statistics every process reports per held stage: loss, norm, skipped, routing
         self.mc, self.moe_blocks = mc, [[i for i in s.blocks if mc.is_moe(i)] for s in specs]
         self.report_width = 3 + max(len(b) for b in self.moe_blocks) * routing_size(mc)
-        self.delay = max(held.delay for held in self.held.values())
+        self.delay = max(held.trained.delay for held in self.held.values())
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
         routes = Routes.build(layout, resolve_routes(cfg.p2p_routes, dist.get_backend()))
         self.messenger = Messenger(layout, cfg.p2p_timeout_s, routes)
@@ -223,7 +221,7 @@ class PipelineEngine:
             "idle_fraction": idle / self.train_wall_s if self.train_wall_s else 0.0,
             "peak_mem_mb": peak_memory_mb(self.device),
             "param_mb": sum(h.param_mb() for h in held),
-            "weight_versions_peak": max(h.versions_peak for h in held),
+            "weight_versions_peak": max(h.trained.versions_peak for h in held),
             "action_s": action_s,
         }
         if digests:
@@ -232,7 +230,7 @@ class PipelineEngine:
             report |= _summed([r.report("allreduce") for r in reductions])
         for h in tied:  # at most one: the first or the last stage
             if digests:
-                newest = h.store[h.store.newest]
+                newest = h.trained.store[h.trained.store.newest]
                 report["tied_sha256"] = weights_digest({h.tied_name: newest[h.tied_name]})
             report |= h.tied.report("tied_allreduce")
         reports = [None] * self.layout.world if self.layout.is_leader else None
@@ -244,7 +242,7 @@ class PipelineEngine:
         return {
             name: tensor
             for h in self.held.values()
-            for name, tensor in h.store[h.store.newest].items()
+            for name, tensor in h.trained.store[h.trained.store.newest].items()
         }
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -327,15 +325,14 @@ class PipelineEngine:
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         return {
-            f"v{version}/{name}": tensor
+            key: tensor
             for held in self.held.values()
-            for version, weights in held.store.snapshot().items()
-            for name, tensor in weights.items()
+            for key, tensor in held.trained.checkpoint_tensors().items()
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The step and the optimizer state of this process's stages by parameter name."""
-        state = NamedState.merge(named_state(held.optimizer) for held in self.held.values())
+        state = NamedState.merge(held.trained.named_state() for held in self.held.values())
         return {"step": self.step, "optimizer": state}
 
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
@@ -343,9 +340,7 @@ class PipelineEngine:
         this process's parameters by name; other parameters are not looked at."""
         self.step = state["step"]
         for held in self.held.values():
-            history, params = held.point.history, held.store.params
-            held.store.load(versions_from_tensors(tensors, params, self.step, history))
-            load_named_state(held.optimizer, state["optimizer"], skip_unowned=True)
+            held.trained.restore(tensors, state["optimizer"], self.step)
 
 
 def _summed(reports: list[dict[str, float]]) -> dict[str, float]:
@@ -547,7 +542,7 @@ class _Segment:
             x = self.received(ActionKind.RECV_ACT, action).requires_grad_(True)
         recording = held.split.forward(action.microbatch) if held.split else nullcontext()
         with recording, autocast(e.device, e.cfg.dtype):
-            out = functional_call(held.module, held.point.at(action.step), (x,))
+            out = functional_call(held.module, held.trained.at(action.step), (x,))
         if held.last:
             out = lm_loss(out, rows[:, 1:])
             self.losses[action.step] = self.losses.get(action.step, 0.0) + out.detach().double()
@@ -575,7 +570,7 @@ class _Segment:
         has none) and every weight gradient but the linear layers', which W computes."""
         target, grad = self._backward_target(held, action)
         x, _ = self.stash.pop((action.stage, action.microbatch))
-        weights = held.point.at(action.step)
+        weights = held.trained.at(action.step)
         gx = held.split.input_gradient(
             action.microbatch, target, grad, None if held.first else x, weights
         )
@@ -586,15 +581,14 @@ class _Segment:
         """The STEP action of one held stage: its gradient is complete; average it over the
         replicas and sum the tied weight's with the other stage's (in the background), or
         apply the update now."""
-        held.point.take_gradients(step)
+        held.trained.take_gradients(step)
         sums = held.step_sums(self.losses.pop(step, None) if held.last else None)
         if held.reduction is None and held.tied is None:
             self.apply(held, step, sums)
             return
         # the same order of collectives on every rank: tied first (it spans both groups' ranks)
-        tied = (
-            held.tied.start(step, [held.store.params[held.tied_name]], None) if held.tied else None
-        )
+        tied_copy = [held.trained.params[held.tied_name]] if held.tied else []
+        tied = held.tied.start(step, tied_copy, None) if held.tied else None
         replicas = None
         if held.reduction is not None:
             replicas = held.reduction.start(step, held.reduced, sums)
@@ -628,7 +622,7 @@ class _Segment:
             if pending.replicas is not None:
                 sums = held.reduction.finish(pending.replicas, held.reduced)
             if pending.tied is not None:
-                held.tied.finish(pending.tied, [held.store.params[held.tied_name]])
+                held.tied.finish(pending.tied, [held.trained.params[held.tied_name]])
             self.apply(held, pending.step, sums)
 
     def apply(self, held: HeldStage, step: int, sums: torch.Tensor) -> None:

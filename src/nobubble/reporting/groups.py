@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nobubble.config import TrainConfig, chosen_corrections
+from nobubble.config import TrainConfig
+from nobubble.corrections.registry import chosen
 from nobubble.reporting.runs import Run
 from nobubble.schedules.registry import SCHEDULE_NAMES, SYNCHRONOUS_SCHEDULES
 
@@ -126,7 +127,7 @@ class Group:
 
 
 def corrections_of(settings: dict[str, Any]) -> tuple[str, ...]:
-    return chosen_corrections(TrainConfig(correction=settings["correction"], ef=settings["ef"]))
+    return chosen(TrainConfig(correction=settings["correction"], ef=settings["ef"]))
 
 
 def _label(correction: str) -> str:

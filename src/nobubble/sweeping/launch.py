@@ -25,7 +25,7 @@ from typing import IO
 
 import tomli_w
 
-from nobubble.checkpoint import checkpoint_step
+from nobubble.checkpoint.files import checkpoint_step
 from nobubble.resume import latest_valid_checkpoint
 from nobubble.sweeping.planned import PlannedRun
 

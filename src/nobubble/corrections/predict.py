@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import torch
 
+from nobubble.config import TrainConfig
+from nobubble.corrections.spec import Correction
+from nobubble.layout import ParallelLayout
+from nobubble.schedules.registry import schedule_spec
 from nobubble.versions import VersionStore, Weights, gradient_version
 
 
@@ -80,3 +84,35 @@ class StepWeights:
     def copies(self) -> int:
         """Weight copies held now: true versions and predictions."""
         return len(self.store.held()) + len(self.formed)
+
+
+def _refuses(cfg: TrainConfig) -> str | None:
+    if max(schedule_spec(cfg.schedule).delays(ParallelLayout.of(cfg).model_stages)) == 0:
+        return (
+            f"{cfg.schedule} with stages={cfg.stages} has no gradient delay to extrapolate over "
+            "(every step would run at its weights themselves, a plain run under another name); "
+            "use schedule=2bw, or pipedream with stages >= 2, or drop predict"
+        )
+    return None
+
+
+CORRECTION = Correction(
+    name="predict",
+    acts_on="weights",
+    rule=(
+        "F and B of step t run at ŵ[t] = w[c] + D·(w[c] - w[c-1]), c = max(t - D, 0), "
+        "w[-1] = w[0]; the gradient is applied to the true w[t]"
+    ),
+    memory=(
+        "1 weight copy per stage under 2bw (3 instead of 2: ŵ of the step in flight, the "
+        "next ŵ or w[t-1], w[t]); pipedream: D+2 versions plus ŵ per step in flight"
+    ),
+    needs="nothing (any optimizer)",
+    schedules="2bw (D = 1), pipedream (D = P-1-s); refused where every delay is 0",
+    source=(
+        "our variant of weight prediction as in SpecTrain (Chen et al. 2018, arXiv 1809.02839) "
+        "and Kosson et al. (arXiv 2003.11666), which extrapolate the momentum; here the "
+        "applied change"
+    ),
+    refuses=_refuses,
+)

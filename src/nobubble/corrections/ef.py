@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from nobubble.corrections.base import UpdateCorrection
+from nobubble.corrections.spec import Correction
 from nobubble.optim.composite import OptimizerLike
-from nobubble.optim.update_correction import UpdateCorrection
 
 
 class ErrorFeedback(UpdateCorrection):
@@ -43,3 +44,16 @@ class ErrorFeedback(UpdateCorrection):
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.base!r}, gamma={self.gamma})"
+
+
+CORRECTION = Correction(
+    name="ef",
+    acts_on="update",
+    rule="w[t+1] = w[t] - Δ[t] - γ·(Δ[t] - Δ[t-1]), γ = ef_gamma",
+    memory="1 buffer (Δ[t-1]) + a transient snapshot during the step",
+    needs="nothing but step() (any optimizer)",
+    schedules="2bw (delay 1); runs under any",
+    source="published: Zmushko et al. 2026 (the error-feedback-style correction), γ = 1",
+    settings=("ef_gamma",),
+    wrap=lambda opt, cfg, _delay: ErrorFeedback(opt, cfg.ef_gamma),
+)

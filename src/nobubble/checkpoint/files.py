@@ -9,7 +9,7 @@ Layout of ``checkpoints/step_NNNNNN`` (format 2)::
                                   (``optim/{name}/{key}``, ``{correction}/{name}``: ``ef/{name}``,
                                   ``nesterov/{name}``...) and the torch RNG state
     shard_0/state.json            step, the shard's parameter names, the optimizer's scalars and
-                                  param-group hyperparameters by name (see optim/named_state.py)
+                                  param-group hyperparameters by name (named_state.py)
     shard_0/meta.json             data position, config, tokenizer checksum, time so far
     shard_1/...                   pipeline: one shard per stage, written by the rank that holds
                                   it (replica 0 of the stage); simulator: a single shard
@@ -45,7 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nobubble.optim.named_state import NamedState, decode, encode, from_state_dict
+from nobubble.checkpoint.named_state import NamedState, decode, encode, from_state_dict
 from nobubble.runfolder import write_json_atomic
 
 MANIFEST = "manifest.json"

@@ -6,16 +6,18 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
+from nobubble.configure import resolve_config
 from nobubble.model.layers import build_model, lm_loss
-from nobubble.optim import build_optimizer, lr_at, set_lr
-from nobubble.simulated import SimulatedEngine
+from nobubble.one_process import OneProcessEngine
+from nobubble.optim.lr_schedule import lr_at, set_lr
+from nobubble.update import build_stage_optimizer
 
 STEPS = 5
 
 
 def config(**overrides) -> TrainConfig:
     base = dict(batch_size=4, microbatches=2, seq_len=16, lr=1e-2, warmup_steps=2, steps=STEPS)
-    return TrainConfig(**{**base, **overrides})
+    return resolve_config(TrainConfig(**{**base, **overrides}))
 
 
 def batches(mc, cfg, n=STEPS, seed=0):
@@ -27,7 +29,7 @@ def batches(mc, cfg, n=STEPS, seed=0):
 
 
 def run_engine(cfg, mc, data):
-    engine = SimulatedEngine(cfg, mc, torch.device("cpu"))
+    engine = OneProcessEngine(cfg, mc, torch.device("cpu"))
     losses = []
     feed = iter(data)
     engine.run_steps(len(data), lambda: next(feed), lambda s: losses.append(s.loss))
@@ -72,7 +74,7 @@ def test_sync_is_bit_identical_to_a_plain_training_loop(tiny_mc, optim):
     losses, weights = run_engine(cfg, tiny_mc, data)
 
     model = build_model(tiny_mc, cfg.seed)
-    optimizer = build_optimizer(list(model.named_parameters()), cfg)
+    optimizer = build_stage_optimizer(list(model.named_parameters()), cfg, delay=0)
     expected = [plain_step(model, optimizer, b, cfg, t) for t, b in enumerate(data)]
     assert losses == expected
     for name, p in model.named_parameters():
@@ -87,7 +89,7 @@ def test_2bw_matches_a_loop_that_keeps_the_previous_model(tiny_mc, optim, ef):
 
     model = build_model(tiny_mc, cfg.seed)
     previous = copy.deepcopy(model)  # w[t-1], with w[-1] = w[0]
-    optimizer = build_optimizer(list(model.named_parameters()), cfg)
+    optimizer = build_stage_optimizer(list(model.named_parameters()), cfg, delay=0)
     expected = []
     for t, batch in enumerate(data):
         before = copy.deepcopy(model)  # w[t]
@@ -112,7 +114,7 @@ def test_pipedream_gives_each_stage_its_own_old_weights(tiny_mc):
         return 2
 
     model = build_model(tiny_mc, cfg.seed)
-    optimizer = build_optimizer(list(model.named_parameters()), cfg)
+    optimizer = build_stage_optimizer(list(model.named_parameters()), cfg, delay=0)
     history = [copy.deepcopy(model.state_dict())]
     expected = []
     for t, batch in enumerate(data):
@@ -128,7 +130,7 @@ def test_pipedream_gives_each_stage_its_own_old_weights(tiny_mc):
 
 def test_delayed_step_runs_each_microbatch_once(tiny_mc):
     cfg = config(schedule="2bw")
-    engine = SimulatedEngine(cfg, tiny_mc, torch.device("cpu"))
+    engine = OneProcessEngine(cfg, tiny_mc, torch.device("cpu"))
     calls = []
     engine.trainer.micro_loss = lambda w, m, f=engine.micro_loss: calls.append(1) or f(w, m)
     feed = iter(batches(tiny_mc, cfg))

@@ -4,7 +4,7 @@ The wrapper snapshots w[t], lets the base optimizer step (its own state built fr
 as usual), and then corrects each parameter that had a gradient from the snapshot, the base
 optimizer's result and a persistent buffer of its own (one tensor per parameter, or none). What
 each correction computes is in its subclass; which corrections exist is in
-:mod:`nobubble.corrections`.
+:mod:`nobubble.corrections.registry`.
 """
 
 from __future__ import annotations

@@ -1,53 +1,49 @@
-"""The single-process engine: the exact semantics of every schedule, without communication.
+"""The one-process engine: the exact semantics of every schedule, without communication.
 
-Stage s with delay d holds its weight versions in a :class:`VersionStore`. At step t the forward
-and backward of every microbatch run with stage s at version max(t - d, 0) (through
-``torch.func.functional_call``, so nothing is swapped in place under autograd), the gradient is
-moved onto the optimizer's parameters, and the optimizer steps the newest version. With every
-delay 0 this is exactly a plain gradient-accumulation training loop.
+The model is cut into the schedule's model stages (the partition), each a
+:class:`~nobubble.update.TrainedStage` as a pipeline process holds it: its weight versions, its
+optimizer with the run's delay correction, and its update in the one order both backends share.
+At step t the forward and backward of every microbatch run with stage s at the weights its step
+runs at (version max(t - d, 0) for delay d, or the prediction ŵ; through
+``torch.func.functional_call``, so nothing is swapped in place under autograd), then every stage
+takes its gradient and applies its update. With every delay 0 this is exactly a plain
+gradient-accumulation training loop.
 
 Tied embeddings over several stages compute what the pipeline computes: the first and the last
 stage each hold a copy of the tied weight (``embed.weight``), the embedding reads the first's and
 the head the last's (as separate leaves, so each accumulates its own gradient over the
 microbatches, as on the two stages), both copies receive the sum of the two gradients and are
-clipped by its norm alone (:mod:`nobubble.update`), and both take the same update: the optimizer
-steps the first stage's copy, the last stage's takes its value (the pipeline's last stage
-computes the same update from the same bytes). With one stage the weight is simply shared.
+clipped by its norm alone (:mod:`nobubble.update`), and each stage's optimizer steps its copy
+from the same bytes, so the copies stay bitwise equal. With one stage the weight is simply shared.
+
+With ``dp`` > 1 the one process computes what the replicas compute together: each microbatch is
+the whole of what the replicas split between them, so the run equals a data-parallel pipeline's up
+to the order of summation (docs/pipeline.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
+from copy import deepcopy
 from typing import Any
 
 import torch
 from torch.func import functional_call
 
-from nobubble.checkpoint import CheckpointError
-from nobubble.config import ConfigError, TrainConfig, chosen_corrections
+from nobubble.checkpoint.named_state import NamedState
+from nobubble.config import TrainConfig
 from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
 from nobubble.model.layers import build_model, lm_loss
-from nobubble.model.moe import Routing, balance_routers
-from nobubble.model.partition import TIED_HEAD_USE, TIED_WEIGHT, partition, stage_parameter_names
+from nobubble.model.moe import Routing
+from nobubble.model.partition import TIED_HEAD_USE, TIED_WEIGHT, stage_parameter_names, stage_specs
 from nobubble.model.presets import ModelConfig
-from nobubble.optim import build_optimizer
-from nobubble.optim.named_state import load_named_state, named_state
-from nobubble.prediction import StepWeights
 from nobubble.profiling import OFF, label, labelled
 from nobubble.schedules.registry import schedule_spec
-from nobubble.stage_options import apply_stage_options
-from nobubble.update import combined_norm, optimizer_step, prepare_step
-from nobubble.versions import VersionStore, Weights, gradient_version
-
-
-def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    if dtype == "bfloat16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
+from nobubble.stage_options import apply_stage_options, autocast
+from nobubble.update import TrainedStage, combined_norm
+from nobubble.versions import Weights, gradient_version
 
 MicroLoss = Callable[[Weights, torch.Tensor], torch.Tensor]
 
@@ -63,51 +59,51 @@ class DelayedTrainer:
     (:func:`nobubble.model.moe.balance_routers`).
 
     ``tied = (name, use)``: the first and the last stage both hold a parameter ``name``, copies
-    of one tied weight; the optimizer holds the first stage's. ``micro_loss`` finds the last
-    stage's copy under ``use``. Both copies get the sum of their gradients and the same update
-    (see :mod:`nobubble.update`).
-
-    With ``correction=predict`` every stage with a delay runs its steps at the weight prediction
-    ŵ instead (:mod:`nobubble.prediction`).
+    of one tied weight (both stages must have the same delay: the configuration checks it).
+    ``micro_loss`` finds the last stage's copy under ``use``. Both copies get the sum of their
+    gradients and each its stage's update (see :mod:`nobubble.update`).
     """
 
     def __init__(
         self,
         stage_params: Sequence[dict[str, torch.nn.Parameter]],
         delays: Sequence[int],
-        optimizer: Any,
         micro_loss: MicroLoss,
         cfg: TrainConfig,
         tied: tuple[str, str] | None = None,
         routing: Callable[[], Routing] = dict,
         balance_rate: float = 0.0,
     ) -> None:
-        self.stores = [VersionStore(params) for params in stage_params]
-        self.routing, self.balance_rate = routing, balance_rate
-        predict = "predict" in chosen_corrections(cfg)
-        self.points = [
-            StepWeights(store, delay, predict)
-            for store, delay in zip(self.stores, delays, strict=True)
+        last = len(stage_params) - 1
+        holds_tied = {0, last} if tied is not None else set()
+        self.stages = [
+            TrainedStage(
+                index,
+                params,
+                delay,
+                cfg,
+                tied[0] if index in holds_tied else None,
+                reports_tied=index == 0,
+            )
+            for index, (params, delay) in enumerate(zip(stage_params, delays, strict=True))
         ]
-        self.delays, self.optimizer, self.micro_loss, self.cfg = (
-            list(delays),
-            optimizer,
-            micro_loss,
-            cfg,
-        )
-        if tied is not None and (len(self.stores) < 2 or len(set(self.delays)) > 1):
-            raise ValueError("tied copies need two stages or more, all with the same delay")
-        self.tied = tied
+        self.delays = list(delays)
+        self.micro_loss, self.cfg, self.tied = micro_loss, cfg, tied
+        self.routing, self.balance_rate = routing, balance_rate
         self.step = 0
+
+    @property
+    def stores(self) -> list:
+        """Every stage's weight versions."""
+        return [stage.store for stage in self.stages]
 
     def train_step(self, microbatches: Sequence[torch.Tensor]) -> StepStats:
         t = self.step
-        used = [gradient_version(t, d) for d in self.delays]
         weights: Weights = {}
-        for stage, point in enumerate(self.points):
-            weights.update(self._uses(stage, point.at(t)))
+        for stage in self.stages:
+            weights.update(self._uses(stage.index, stage.at(t)))
         total = 0.0
-        versions = versions_label(used)
+        versions = versions_label([gradient_version(t, d) for d in self.delays])
         for index, micro in enumerate(microbatches):
             number = t * len(microbatches) + index  # over the run, as in the schedule's picture
             with label(f"F mb{number}", versions):
@@ -119,104 +115,83 @@ class DelayedTrainer:
             return self._update(t, total / len(microbatches))
 
     def _update(self, t: int, loss: float) -> StepStats:
-        """Step ``t``'s update, once its gradients are complete."""
-        cfg = self.cfg
+        """Step ``t``'s update, once its gradients are complete: every stage in the one order."""
         routing = self.routing()
-        for point in self.points:
-            point.take_gradients(t)
+        for stage in self.stages:
+            stage.take_gradients(t)
         if self.tied:
             self._sum_tied_gradients()
-        norms, skipped = [], []
-        for stage, store in enumerate(self.stores):
-            tied = self.tied[0] if self.tied and stage in (0, len(self.stores) - 1) else None
-            norm, ok = prepare_step(
-                store, t, self.points[stage].history, cfg.grad_clip, tied, reports_tied=stage == 0
-            )
+        norms, skipped, lr = [], [], 0.0
+        for stage in self.stages:
+            norm, ok, lr = stage.apply(t, routing, self.balance_rate)
             norms.append(norm)
             if not ok:
-                skipped.append(stage)
-            balance_routers(store.params, routing, self.balance_rate)
-        lr = optimizer_step(self.optimizer, t, cfg)
-        if self.tied:
-            self._copy_tied_update()
+                skipped.append(stage.index)
         self.step += 1
         return StepStats(t, loss, combined_norm(norms), lr, skipped, routing)
 
     def _uses(self, stage: int, weights: Weights) -> Weights:
         """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""
-        if self.tied is None or stage != len(self.stores) - 1:
+        if self.tied is None or stage != len(self.stages) - 1:
             return weights
         name, use = self.tied
         return {use if key == name else key: tensor for key, tensor in weights.items()}
 
-    def _tied_copies(self) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
-        name = self.tied[0]
-        return self.stores[0].params[name], self.stores[-1].params[name]
-
     def _sum_tied_gradients(self) -> None:
         """Both copies get first + last (what the pipeline's all-reduce of the two gives)."""
-        first, last = self._tied_copies()
+        name = self.tied[0]
+        first, last = self.stages[0].params[name], self.stages[-1].params[name]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in (first, last)]
         first.grad = grads[0] + grads[1]
         last.grad = first.grad.clone()  # clipped on its own, like the last stage's
 
-    @torch.no_grad()
-    def _copy_tied_update(self) -> None:
-        """The last stage's copy takes the update the optimizer gave the first stage's (the
-        pipeline's last stage computes it itself, from the same bytes)."""
-        first, last = self._tied_copies()
-        last.data.copy_(first.data)
-        last.grad = None
-
     def checkpoint_tensors(self) -> Weights:
-        """Every version held, as ``v{version}/{name}``."""
-        return {
-            f"v{version}/{name}": tensor
-            for store in self.stores
-            for version, weights in store.snapshot().items()
-            for name, tensor in weights.items()
-        }
+        """Every version held, as ``v{version}/{name}`` (the tied copies under one name)."""
+        return {key: t for stage in self.stages for key, t in stage.checkpoint_tensors().items()}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The step and the optimizer state by parameter name (any layout can load it)."""
-        return {"step": self.step, "optimizer": named_state(self.optimizer)}
+        """The step and the optimizer state by parameter name (any layout can load it); a tied
+        weight's state is the first stage's (the last stage's copy is bitwise the same)."""
+        skip = [self.tied[0]] if self.tied else []
+        parts = [s.named_state(skip if s.index > 0 else ()) for s in self.stages]
+        return {"step": self.step, "optimizer": NamedState.merge(parts)}
 
     def restore(self, tensors: Weights, state: dict[str, Any]) -> None:
         """Continue from a checkpoint: ``tensors`` as :meth:`checkpoint_tensors` (from any split
         into stages), ``state`` as :meth:`checkpoint_state` (optimizer state by name)."""
         self.step = state["step"]
-        for point in self.points:
-            store = point.store
-            store.load(versions_from_tensors(tensors, store.params, self.step, point.history))
-        load_named_state(self.optimizer, state["optimizer"])
+        optimizer: NamedState = state["optimizer"]
+        for stage in self.stages:
+            stage.restore(tensors, self._own(stage, optimizer), self.step)
+
+    def _own(self, stage: TrainedStage, state: NamedState) -> NamedState:
+        """``state`` for ``stage`` to load: the last stage's tied copy takes a copy of the tied
+        weight's state (torch's optimizers keep the tensors they load, and the two copies must
+        not share their moments)."""
+        if not self.tied or stage.index == 0 or self.tied[0] not in stage.params:
+            return state
+        tied = {self.tied[0]}
+        return NamedState.merge([state.select(state.names() - tied), deepcopy(state.select(tied))])
 
 
-class SimulatedEngine:
+class OneProcessEngine:
     """Trains the whole model in one process under the delays of ``cfg.schedule``."""
 
     layout = ParallelLayout(pp=1)  # a description only: one process, one checkpoint shard
 
     def __init__(self, cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> None:
-        stages = cfg.model_stages()  # interleaved: every model stage, one process for all
-        delays = schedule_spec(cfg.schedule).delays(stages)
-        if mc.tie_embeddings and len(set(delays)) > 1:
-            raise ConfigError(
-                f"{cfg.schedule} gives the embedding (stage 0) and the head (stage "
-                f"{stages - 1}) different delays, which a tied weight cannot have; set "
-                "tie_embeddings=false"
-            )
+        specs = stage_specs(cfg, mc)  # interleaved: every model stage, all in one process
+        delays = schedule_spec(cfg.schedule).delays(len(specs))
         self.cfg, self.device = cfg, device
         self.model = build_model(mc, cfg.seed).to(device)
         apply_stage_options(self.model, cfg, device)
         self.profiler = OFF
         params = dict(self.model.named_parameters())
-        specs = partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
         stage_params = [
             {n: params[n] for n in names} for names in stage_parameter_names(list(params), specs)
         ]
-        optimizer = build_optimizer(list(params.items()), cfg)
         # tied over several stages: the last stage holds a copy for the head (module docstring)
-        self.split_tied = mc.tie_embeddings and stages > 1
+        self.split_tied = mc.tie_embeddings and len(specs) > 1
         tied = None
         if self.split_tied:
             stage_params[-1][TIED_WEIGHT] = torch.nn.Parameter(params[TIED_WEIGHT].detach().clone())
@@ -224,7 +199,6 @@ class SimulatedEngine:
         self.trainer = DelayedTrainer(
             stage_params,
             delays,
-            optimizer,
             self.micro_loss,
             cfg,
             tied,
@@ -293,27 +267,3 @@ def versions_label(versions: Sequence[int]) -> str:
     if len(set(versions)) == 1:
         return f"v{versions[0]}"
     return "v" + ",".join(map(str, versions))
-
-
-def versions_from_tensors(
-    tensors: Weights, params: dict[str, torch.Tensor], step: int, history: int
-) -> dict[int, Weights]:
-    """Invert ``checkpoint_tensors`` for the parameters ``params`` of a stage that keeps its
-    versions ``history`` steps back (:attr:`StepWeights.history`) at ``step``: it must find
-    exactly the versions max(step - history, 0) .. step of every parameter, those that the stage
-    holds after ``step`` updates."""
-    found: dict[int, Weights] = {}
-    for key, tensor in tensors.items():
-        version, name = key.split("/", 1)
-        if name in params:
-            found.setdefault(int(version[1:]), {})[name] = tensor
-    needed = list(range(gradient_version(step, history), step + 1))
-    for name in params:
-        held = sorted(v for v, weights in found.items() if name in weights)
-        if held != needed:
-            raise CheckpointError(
-                f"the checkpoint of step {step} holds weight versions {held} of {name}, and a "
-                f"stage that keeps {history} steps of history needs versions {needed}: it was "
-                "saved under another schedule, stage split or correction"
-            )
-    return {v: found[v] for v in needed}

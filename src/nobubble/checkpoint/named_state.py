@@ -12,7 +12,7 @@ the same information by name:
   groups of all its parts). Group-level state lives here too: the pytorch_optimizer optimizers
   count their steps in the group (``group["step"]``);
 - ``correction`` and ``buffers``: the update correction's name and its buffers by parameter name
-  (:class:`~nobubble.optim.update_correction.UpdateCorrection`: error feedback's Δ[t-1], the
+  (:class:`~nobubble.corrections.base.UpdateCorrection`: error feedback's Δ[t-1], the
   nesterov velocity, ...); None without one.
 
 :func:`load_named_state` loads such a state into an optimizer built (by
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from nobubble.corrections.base import UpdateCorrection
+from nobubble.corrections.ef import ErrorFeedback
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
-from nobubble.optim.ef import ErrorFeedback
-from nobubble.optim.update_correction import UpdateCorrection
 
 _STRUCTURE = ("params", "param_names")  # group keys that are structure, not hyperparameters
 

@@ -1,0 +1,45 @@
+"""What a run reports: metrics lines, the progress bar, loggers, MFU and profiler traces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nobubble.config.fields import POSITIVE, ConfigError, setting
+
+LOGGERS = ("tensorboard", "wandb")
+WANDB_MODES = ("online", "offline")
+
+
+@dataclass
+class LoggingSettings:
+    log_every: int = setting(1, "write a metrics line every N steps", POSITIVE)
+    progress: bool = setting(True, "show a progress bar")
+    logger: str = setting(
+        "none", "loggers beside metrics.jsonl: none | tensorboard | wandb | tensorboard,wandb"
+    )
+    wandb_project: str = setting("nobubble", "Weights & Biases project (logger=wandb)")
+    wandb_mode: str = setting(
+        "online",
+        "Weights & Biases mode (offline: no network; sync later)",
+        choices=WANDB_MODES,
+    )
+    peak_tflops: float | None = setting(
+        None,
+        "peak dense TFLOP/s of one device for MFU; default: looked up for known GPUs, none on CPU",
+        POSITIVE,
+    )
+    profile_steps: str | None = setting(
+        None, "A:B: write a torch.profiler trace of steps A..B (from 1) into the run folder"
+    )
+
+
+def chosen_loggers(settings: LoggingSettings) -> list[str]:
+    """The loggers ``logger`` names (comma-separated; "none" or empty for none), checked."""
+    names = [n.strip() for n in settings.logger.split(",") if n.strip()]
+    names = [] if names == ["none"] else names
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(
+                f"unknown logger {name!r}; choose none or any of: {', '.join(LOGGERS)}"
+            )
+    return names

@@ -1,0 +1,50 @@
+"""The schedule and the parallel layout: pipeline stages, chunks, microbatches, data-parallel
+replicas, the partition of the model into stages, and the pipeline's messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nobubble.config.fields import NON_NEGATIVE, POSITIVE, setting
+
+P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.routes
+
+
+@dataclass
+class ParallelSettings:
+    schedule: str = setting("sync", "pipeline schedule (docs/schedules.md)", registry="schedule")
+    stages: int = setting(
+        1, "pipeline stages P (torchrun: one process per stage and replica)", POSITIVE
+    )
+    chunks: int | None = setting(
+        None,
+        "model stages per pipeline stage (interleaved-1f1b's virtual stages): the model is cut "
+        "into stages x chunks parts, part c·P + r on stage r; default: the schedule's (2 for "
+        "interleaved-1f1b, else 1)",
+        POSITIVE,
+    )
+    microbatches: int = setting(1, "microbatches M per optimizer step", POSITIVE)
+    dp: int = setting(
+        1,
+        "data-parallel replicas of the pipeline (torchrun: stages x dp processes); each reads "
+        "1/dp of every microbatch",
+        POSITIVE,
+    )
+    stage_layers: list[int] | None = setting(
+        None, "explicit blocks per stage, e.g. [3, 3]", NON_NEGATIVE
+    )
+    p2p_timeout_s: float = setting(
+        300.0, "pipeline: fail if a stage waits longer for a peer", POSITIVE
+    )
+    p2p_routes: str = setting(
+        "auto",
+        "pipeline: process groups of the messages: shared (one group; gloo only: it pairs by "
+        "tag) | per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | "
+        "auto (shared on gloo, per-edge otherwise)",
+        choices=P2P_ROUTES,
+    )
+    embed_cost: float = setting(1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE)
+    head_cost: float = setting(
+        1.0, "partition weight of the final norm + head, in blocks", NON_NEGATIVE
+    )
