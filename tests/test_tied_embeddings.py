@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from nobubble.config import ConfigError, TrainConfig
-from nobubble.configure import build_config, resolve_config
+from nobubble.configure import build_config
 from nobubble.model.layers import build_model, lm_loss
 from nobubble.model.partition import TIED_WEIGHT, partition
 from nobubble.one_process import DelayedTrainer, OneProcessEngine
