@@ -277,12 +277,21 @@ def non_finite(path: Path) -> None:
     save_file(tensors, path)
 
 
+def index_placing_a_lost_tensor(path: Path) -> None:
+    """An index beside ``path`` that places one tensor more in it than it holds."""
+    names = [*load_file(path), "model.lost.weight"]
+    index = {"weight_map": {name: path.name for name in names}}
+    (path.parent / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 INIT_CASES = {
     **{f"model.safetensors {d}": ("model.safetensors", DAMAGE[d]) for d in DAMAGE},
     "model.safetensors NaN": ("model.safetensors", non_finite),
     **{f"config.json {d}": ("config.json", DAMAGE[d]) for d in DAMAGE if d != "missing"},
     "tokenizer.json garbage": ("tokenizer.json", garbage),
     "tokenizer.json truncated": ("tokenizer.json", truncate),
+    "index garbage": ("model.safetensors.index.json", garbage),
+    "index places a tensor a file lacks": ("model.safetensors", index_placing_a_lost_tensor),
 }
 
 
