@@ -36,6 +36,7 @@ from nobubble import __version__
 from nobubble.checkpoint import (
     CheckpointError,
     CheckpointReader,
+    checkpoint_folders,
     checkpoint_name,
     read_meta,
     verify_checkpoint,
@@ -125,7 +126,7 @@ def export_hf(
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """The verified checkpoint of ``step`` in ``run_dir``, or its newest valid one."""
     root = run_dir / "checkpoints"
-    steps = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+    steps = [p.name for p in checkpoint_folders(root)]
     if step is None:
         found = latest_valid_checkpoint(root) if steps else None
         if found is None:
