@@ -39,8 +39,10 @@ class AnyOrderParser(argparse.ArgumentParser):
 
     _intermixing = False
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        if self._intermixing:  # the intermixed parse's own passes (Python 3.11, 3.12)
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing:  # the intermixed parse's own passes (up to Python 3.12)
             return super().parse_known_args(args, namespace)
         self._intermixing = True
         try:
