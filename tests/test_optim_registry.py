@@ -8,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from nobubble.config import TrainConfig
+from nobubble.config import FIELDS, RunFacts, TrainConfig
 from nobubble.model import PRESETS, build_model, lm_loss
 from nobubble.optim import (
     OPTIMIZERS,
@@ -238,3 +238,34 @@ def test_state_dict_resume_equals_uninterrupted_training(optim: str, ef: bool) -
             opt_.step()
     for (name, p), (_, q) in zip(named, resumed_named, strict=True):
         assert torch.equal(p, q), name
+
+
+class _Reads:
+    """A config that records the settings read from it."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg, self.read = cfg, set()
+
+    def __getattr__(self, name: str):
+        self.read.add(name)
+        return getattr(self.cfg, name)
+
+
+def test_each_optimizer_and_correction_reads_the_settings_the_config_says_it_reads() -> None:
+    """config.py declares, beside each setting only some runs read, when it is read (what the
+    warnings about unused settings go by); here, for the optimizer's and the corrections'
+    settings, that declaration against what building the optimizer really reads."""
+    facts = RunFacts(moe=False, torchrun=False)
+    conditional = {key for key, spec in FIELDS.items() if spec.metadata["read_when"]}
+    cases = {}
+    for optim in OPTIMIZERS:
+        for correction in ("none", "ef", "nesterov", "dc"):
+            cfg = TrainConfig(optim=optim, correction=correction)
+            reads = _Reads(cfg)
+            build_optimizer(list(build_model(SMALL).named_parameters()), reads)
+            said = {k for k in conditional if FIELDS[k].metadata["read_when"].holds(cfg, facts)}
+            cases[optim, correction] = (reads.read & conditional, said)
+    checked = set().union(*(read for read, _ in cases.values()))
+    assert {"beta1", "beta3", "eps", "momentum", "nesterov", "ef_gamma", "dc_lambda"} <= checked
+    for case, (read, said) in cases.items():
+        assert read == said & checked, case

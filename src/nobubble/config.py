@@ -13,6 +13,7 @@ import math
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,113 @@ FRACTION = Range(0, 1, high_open=False)  # [0, 1]
 DECAY = Range(0, 1)  # [0, 1): a decay of 1 never forgets (and Adam divides by 1 - beta^t)
 
 
-def _opt(default: Any, help: str, range: Range | None = None) -> Any:
-    """A config field; every numeric field gives ``range``, which :func:`validate` enforces."""
-    return field(default=default, metadata={"help": help, "range": range})
+class UnusedSettingWarning(UserWarning):
+    """A setting the user gave that the run never reads (:func:`unused_settings`)."""
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What decides whether some settings are read, besides the config itself."""
+
+    moe: bool  # the model has mixture-of-experts blocks (a preset's, or moe_experts > 0)
+    torchrun: bool  # the pipeline runtime runs it (a process per stage), not the one process
+
+
+@dataclass(frozen=True)
+class ReadWhen:
+    """The condition under which a run reads a setting that not every run reads."""
+
+    when: str  # the condition in words: "it is read only when ..."
+    holds: Callable[[TrainConfig, RunFacts], bool]
+    now: Callable[[TrainConfig, RunFacts], str]  # what this run has instead
+
+
+def _opt(
+    default: Any, help: str, range: Range | None = None, read_when: ReadWhen | None = None
+) -> Any:
+    """A config field; every numeric field gives ``range``, which :func:`validate` enforces;
+    a field that only some runs read says which in ``read_when`` (:func:`unused_settings`)."""
+    return field(default=default, metadata={"help": help, "range": range, "read_when": read_when})
+
+
+def _optim(*names: str) -> ReadWhen:
+    return ReadWhen(
+        f"optim is {' or '.join(names)}",
+        lambda cfg, _: cfg.optim in names,
+        lambda cfg, _: f"optim={cfg.optim}",
+    )
+
+
+def _correction(name: str) -> ReadWhen:
+    return ReadWhen(
+        f"correction includes {name}",
+        lambda cfg, _: name in chosen_corrections(cfg),
+        lambda cfg, _: f"correction={cfg.correction}",
+    )
+
+
+def _lr_schedule(*names: str) -> ReadWhen:
+    return ReadWhen(
+        f"lr_schedule is {' or '.join(names)}",
+        lambda cfg, _: cfg.lr_schedule in names,
+        lambda cfg, _: f"lr_schedule={cfg.lr_schedule}",
+    )
+
+
+def _data_is(kinds: str, suffixes: tuple[str, ...], hf: bool) -> ReadWhen:
+    """Read for data of these file suffixes (and ``hf:`` datasets if ``hf``); said to be unread
+    only for data that surely is none of them (a folder or glob of other files is not)."""
+
+    def holds(cfg: TrainConfig, _: RunFacts) -> bool:
+        if cfg.data == "builtin":
+            return False
+        if cfg.data.startswith("hf:"):
+            return hf
+        others = tuple(s for s in (".txt", ".jsonl", ".parquet", ".bin") if s not in suffixes)
+        return not cfg.data.endswith(others)
+
+    return ReadWhen(f"data is {kinds}", holds, lambda cfg, _: f"data={cfg.data}")
+
+
+_MOE = ReadWhen(
+    "the model has mixture-of-experts blocks (moe_experts > 0, or a MoE preset)",
+    lambda _, facts: facts.moe,
+    lambda cfg, _: (
+        "a dense model"
+        + (" (moe_experts=0)" if cfg.moe_experts == 0 else f" (preset {cfg.preset} has no experts)")
+    ),
+)
+_TORCHRUN = ReadWhen(
+    "the pipeline runs under torchrun (a process per stage)",
+    lambda _, facts: facts.torchrun,
+    lambda *_: "one process (the single-process engine)",
+)
+_WANDB = ReadWhen(
+    "logger includes wandb",
+    lambda cfg, _: "wandb" in chosen_loggers(cfg),
+    lambda cfg, _: f"logger={cfg.logger}",
+)
+_INTERLEAVED = ReadWhen(
+    "the schedule is interleaved (interleaved-1f1b)",
+    lambda cfg, _: cfg.schedule != SYNC and schedule_spec(cfg.schedule).interleaved,
+    lambda cfg, _: f"schedule={cfg.schedule}",
+)
+_BALANCED_SPLIT = ReadWhen(
+    "the blocks are split over several model stages by cost (stage_layers not given)",
+    lambda cfg, _: cfg.stage_layers is None and cfg.model_stages() > 1,
+    lambda cfg, _: f"stage_layers={cfg.stage_layers}" if cfg.stage_layers else "one model stage",
+)
+_NESTEROV = ReadWhen(
+    "optim is muon, or sgd with momentum > 0",
+    lambda cfg, _: cfg.optim == "muon" or (cfg.optim == "sgd" and cfg.momentum > 0),
+    lambda cfg, _: f"optim={cfg.optim}" + (" with momentum=0" if cfg.optim == "sgd" else ""),
+)
+_NO_OUT = ReadWhen(
+    "out is not given (it names the default folder runs/<name>-<time>)",
+    lambda cfg, _: cfg.out is None,
+    lambda cfg, _: f"out={cfg.out}",
+)
+_ADAM_BETAS = _optim("adamw", "nadamw", "muon", "lion", "adan", "soap", "mars")  # muon: AdamW part
 
 
 @dataclass
@@ -92,28 +197,41 @@ class TrainConfig:
     moe_experts: int | None = _opt(
         None, "routed experts of each MoE block (0: dense model; docs/moe.md)", NON_NEGATIVE
     )
-    moe_top_k: int | None = _opt(None, "experts each token is routed to", POSITIVE)
+    moe_top_k: int | None = _opt(None, "experts each token is routed to", POSITIVE, read_when=_MOE)
     moe_shared_experts: int | None = _opt(
-        None, "shared experts every token passes through, besides its routed ones", NON_NEGATIVE
+        None,
+        "shared experts every token passes through, besides its routed ones",
+        NON_NEGATIVE,
+        read_when=_MOE,
     )
-    moe_d_ff: int | None = _opt(None, "each expert's hidden size (default d_ff)", POSITIVE)
+    moe_d_ff: int | None = _opt(
+        None, "each expert's hidden size (default d_ff)", POSITIVE, read_when=_MOE
+    )
     moe_layers: list[int] | None = _opt(
-        None, "the blocks that are MoE, e.g. [1, 2, 3] (default: every block)", NON_NEGATIVE
+        None,
+        "the blocks that are MoE, e.g. [1, 2, 3] (default: every block)",
+        NON_NEGATIVE,
+        read_when=_MOE,
     )
     moe_capacity_factor: float | None = _opt(
         None,
         "an expert takes at most this factor times its even share of a microbatch's "
         "assignments, dropping the rest (0: dropless, the default)",
         NON_NEGATIVE,
+        read_when=_MOE,
     )
     moe_aux_coef: float | None = _opt(
-        None, "coefficient of the load-balancing auxiliary loss (default 0.01)", NON_NEGATIVE
+        None,
+        "coefficient of the load-balancing auxiliary loss (default 0.01)",
+        NON_NEGATIVE,
+        read_when=_MOE,
     )
     moe_bias_rate: float | None = _opt(
         None,
         "auxiliary-loss-free balancing: the per-step update of the routing bias (DeepSeek-V3 "
         "used 0.001; default 0, off)",
         NON_NEGATIVE,
+        read_when=_MOE,
     )
     vocab_size: int | None = _opt(
         None,
@@ -135,13 +253,30 @@ class TrainConfig:
     data: str = _opt(
         "builtin", "builtin | FILE/GLOB (.txt .jsonl .parquet .bin) | hf:NAME[:CONFIG]"
     )
-    data_field: str = _opt("text", "text field of .jsonl/.parquet/HF records")
+    data_field: str = _opt(
+        "text",
+        "text field of .jsonl/.parquet/HF records",
+        read_when=_data_is(".jsonl, .parquet or hf:NAME", (".jsonl", ".parquet"), hf=True),
+    )
     val_fraction: float = _opt(
         0.05, "share of documents held out for validation", Range(0, 1, low_open=True)
     )
     tokenizer: str = _opt("byte", "byte | bpe | PATH/tokenizer.json | hf:NAME")
-    bpe_vocab_size: int = _opt(4096, "vocabulary size of a locally trained BPE tokenizer", POSITIVE)
-    bin_dtype: str = _opt("uint16", "token dtype of .bin shards: uint16 | uint32")
+    bpe_vocab_size: int = _opt(
+        4096,
+        "vocabulary size of a locally trained BPE tokenizer",
+        POSITIVE,
+        read_when=ReadWhen(
+            "tokenizer is bpe",
+            lambda cfg, _: cfg.tokenizer == "bpe",
+            lambda cfg, _: f"tokenizer={cfg.tokenizer}",
+        ),
+    )
+    bin_dtype: str = _opt(
+        "uint16",
+        "token dtype of .bin shards: uint16 | uint32",
+        read_when=_data_is(".bin shards", (".bin",), hf=False),
+    )
     seq_len: int = _opt(256, "tokens per training sequence", POSITIVE)
     batch_size: int = _opt(16, "sequences per optimizer step (split into microbatches)", POSITIVE)
 
@@ -151,23 +286,45 @@ class TrainConfig:
     weight_decay: float = _opt(
         0.1, "decoupled weight decay (matrices only; never norms)", NON_NEGATIVE
     )
-    beta1: float = _opt(0.9, "first-moment decay (Adam-family, Lion, SOAP, MARS)", DECAY)
-    beta2: float = _opt(0.95, "second-moment decay", DECAY)
-    beta3: float = _opt(0.99, "third beta (Adan only)", DECAY)
-    eps: float = _opt(1e-8, "denominator epsilon", POSITIVE)
+    beta1: float = _opt(
+        0.9, "first-moment decay (Adam-family, Lion, SOAP, MARS)", DECAY, read_when=_ADAM_BETAS
+    )
+    beta2: float = _opt(0.95, "second-moment decay", DECAY, read_when=_ADAM_BETAS)
+    beta3: float = _opt(0.99, "third beta (Adan only)", DECAY, read_when=_optim("adan"))
+    eps: float = _opt(
+        1e-8,
+        "denominator epsilon",
+        POSITIVE,
+        read_when=_optim("adamw", "nadamw", "muon", "adan", "soap", "mars"),
+    )
     nadam_momentum_decay: float = _opt(
         0.0,
         "nadamw: NAdam's momentum warm-up ψ, μ_t = β1·(1 - 0.5·0.96^(tψ)); 0 = none, β1 from the "
         "first step (torch's and Ajanthan et al.'s default is 0.004)",
         NON_NEGATIVE,
+        read_when=_optim("nadamw"),
     )
-    momentum: float = _opt(0.95, "momentum (muon, signum, sgd)", DECAY)
-    nesterov: bool = _opt(True, "Nesterov momentum (muon, sgd)")
-    muon_adjust_lr: str = _opt("match_rms_adamw", "muon LR scaling: match_rms_adamw | original")
+    momentum: float = _opt(
+        0.95, "momentum (muon, signum, sgd)", DECAY, read_when=_optim("muon", "signum", "sgd")
+    )
+    nesterov: bool = _opt(True, "Nesterov momentum (muon, sgd)", read_when=_NESTEROV)
+    muon_adjust_lr: str = _opt(
+        "match_rms_adamw", "muon LR scaling: match_rms_adamw | original", read_when=_optim("muon")
+    )
     lr_schedule: str = _opt("cosine", "cosine | wsd | constant (all after a linear warmup)")
     warmup_steps: int = _opt(20, "linear warmup steps", NON_NEGATIVE)
-    decay_frac: float = _opt(0.2, "WSD: share of steps spent decaying at the end", FRACTION)
-    min_lr_ratio: float = _opt(0.1, "final LR as a share of the peak (cosine, wsd)", FRACTION)
+    decay_frac: float = _opt(
+        0.2,
+        "WSD: share of steps spent decaying at the end",
+        FRACTION,
+        read_when=_lr_schedule("wsd"),
+    )
+    min_lr_ratio: float = _opt(
+        0.1,
+        "final LR as a share of the peak (cosine, wsd)",
+        FRACTION,
+        read_when=_lr_schedule("cosine", "wsd"),
+    )
     grad_clip: float = _opt(
         1.0, "max gradient norm per pipeline stage; 0 disables clipping", NON_NEGATIVE
     )
@@ -183,17 +340,29 @@ class TrainConfig:
     )
     ef: bool = _opt(False, "error-feedback delay correction (the same as correction=ef)")
     ef_gamma: float = _opt(
-        1.0, "error-feedback strength γ (γ = β on a momentum base: Nesterov)", NON_NEGATIVE
+        1.0,
+        "error-feedback strength γ (γ = β on a momentum base: Nesterov)",
+        NON_NEGATIVE,
+        read_when=_correction("ef"),
     )
     nesterov_gamma: float = _opt(
-        0.9, "correction=nesterov: look-ahead momentum γ (gradient step scaled by 1 - γ)", DECAY
+        0.9,
+        "correction=nesterov: look-ahead momentum γ (gradient step scaled by 1 - γ)",
+        DECAY,
+        read_when=_correction("nesterov"),
     )
-    dc_lambda: float = _opt(0.04, "correction=dc: λ of g + λ·g⊙g⊙(w_now - w_stale)", NON_NEGATIVE)
+    dc_lambda: float = _opt(
+        0.04,
+        "correction=dc: λ of g + λ·g⊙g⊙(w_now - w_stale)",
+        NON_NEGATIVE,
+        read_when=_correction("dc"),
+    )
     dc_mean_square_decay: float = _opt(
         0.0,
         "correction=dc: 0 keeps λ constant (DC-ASGD-c); m > 0 divides it by √(ms + 1e-7), ms "
         "the gradient's running mean square with decay m (DC-ASGD-a)",
         DECAY,
+        read_when=_correction("dc"),
     )
 
     # --- schedule ---
@@ -207,6 +376,7 @@ class TrainConfig:
         "into stages x chunks parts, part c·P + r on stage r; default: the schedule's (2 for "
         "interleaved-1f1b, else 1)",
         POSITIVE,
+        read_when=_INTERLEAVED,
     )
     microbatches: int = _opt(1, "microbatches M per optimizer step", POSITIVE)
     dp: int = _opt(
@@ -219,17 +389,23 @@ class TrainConfig:
         None, "explicit blocks per stage, e.g. [3, 3]", NON_NEGATIVE
     )
     p2p_timeout_s: float = _opt(
-        300.0, "pipeline: fail if a stage waits longer for a peer", POSITIVE
+        300.0, "pipeline: fail if a stage waits longer for a peer", POSITIVE, read_when=_TORCHRUN
     )
     p2p_routes: str = _opt(
         "auto",
         "pipeline: process groups of the messages: shared (one group; gloo only: it pairs by "
         "tag) | per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | "
         "auto (shared on gloo, per-edge otherwise)",
+        read_when=_TORCHRUN,
     )
-    embed_cost: float = _opt(1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE)
+    embed_cost: float = _opt(
+        1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE, read_when=_BALANCED_SPLIT
+    )
     head_cost: float = _opt(
-        1.0, "partition weight of the final norm + head, in blocks", NON_NEGATIVE
+        1.0,
+        "partition weight of the final norm + head, in blocks",
+        NON_NEGATIVE,
+        read_when=_BALANCED_SPLIT,
     )
 
     # --- run ---
@@ -245,7 +421,9 @@ class TrainConfig:
     )
     keep_checkpoints: int = _opt(2, "how many of the newest checkpoints to keep", POSITIVE)
     out: str | None = _opt(None, "run folder (default runs/<name>-<time>)")
-    name: str | None = _opt(None, "run name (default: derived from the settings)")
+    name: str | None = _opt(
+        None, "run name (default: derived from the settings)", read_when=_NO_OUT
+    )
     device: str = _opt("auto", "auto | cpu | cuda")
     dtype: str = _opt("float32", "float32 | bfloat16 (autocast for matmuls)")
     threads: int = _opt(0, "torch CPU threads; 0 keeps torch's default", NON_NEGATIVE)
@@ -253,9 +431,13 @@ class TrainConfig:
     logger: str = _opt(
         "none", "loggers beside metrics.jsonl: none | tensorboard | wandb | tensorboard,wandb"
     )
-    wandb_project: str = _opt("nobubble", "Weights & Biases project (logger=wandb)")
+    wandb_project: str = _opt(
+        "nobubble", "Weights & Biases project (logger=wandb)", read_when=_WANDB
+    )
     wandb_mode: str = _opt(
-        "online", "Weights & Biases mode: online | offline (no network; sync later)"
+        "online",
+        "Weights & Biases mode: online | offline (no network; sync later)",
+        read_when=_WANDB,
     )
     peak_tflops: float | None = _opt(
         None,
@@ -542,6 +724,24 @@ def chosen_loggers(cfg: TrainConfig) -> list[str]:
     """The loggers ``logger`` names (comma-separated; "none" or empty for none)."""
     names = [n.strip() for n in cfg.logger.split(",") if n.strip()]
     return [] if names == ["none"] else names
+
+
+def unused_settings(
+    cfg: TrainConfig, given: typing.Iterable[str], facts: RunFacts
+) -> dict[str, str]:
+    """The settings among ``given`` (the keys the user set) that this run never reads, each
+    with why: its field's ``read_when`` does not hold. Keys not given are never named."""
+    given = set(given)
+    unused = {}
+    for key, spec in FIELDS.items():
+        when: ReadWhen | None = spec.metadata["read_when"]
+        if key in given and when is not None and not when.holds(cfg, facts):
+            unused[key] = (
+                f"{key}={json.dumps(getattr(cfg, key))} does nothing in this run: it is read "
+                f"only when {when.when}, and this run has {when.now(cfg, facts)}; leave it out "
+                "or change that"
+            )
+    return unused
 
 
 def profile_range(cfg: TrainConfig) -> range | None:

@@ -35,6 +35,7 @@ from nobubble.data import DataBundle, build_data
 from nobubble.engine import Engine, StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.flops import Utilization, utilization
+from nobubble.hf.export import unexportable
 from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model import ModelConfig, model_config
@@ -339,7 +340,7 @@ def run_training(
         return None
     summary = run_summary(log, engine, usage, resumed_at, stages)
     run.write_summary(summary)
-    print(summary_line(summary, run.path, engine.layout.world), flush=True)
+    print(summary_line(summary, run.path, engine.layout.world, mc), flush=True)
     return summary
 
 
@@ -418,19 +419,20 @@ def run_summary(
     return summary
 
 
-def summary_line(summary: dict, run_dir: Path, processes: int) -> str:
-    """The one line a finished run ends with: results, throughput, time, where, what next."""
+def summary_line(summary: dict, run_dir: Path, processes: int, mc: ModelConfig) -> str:
+    """The one line a finished run (of the model ``mc``) ends with: results, throughput, time,
+    where, and what next (only commands that accept the run)."""
     if "mfu" in summary:
         flops = f"MFU {summary['mfu']:.1%}"
     else:
         flops = f"{summary['model_tflops']:.3g} model TFLOP/s (no MFU: {summary['peak_source']})"
     folder = shlex.quote(str(run_dir))
+    export = "" if unexportable(mc) else f" | export: nobubble export {folder} OUT --format hf"
     return (
         f"nobubble: done: {summary['steps']} steps in {duration(summary['wall_s'])}, "
         f"val_loss {summary['final_val_loss']:.4f}, val_bpb {summary['final_val_bpb']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tok/s, {flops} | run folder: {folder} | more steps: "
-        f"{resume_command(run_dir, processes)} steps=N | export: nobubble export {folder} OUT "
-        "--format hf"
+        f"{resume_command(run_dir, processes)} steps=N{export}"
     )
 
 

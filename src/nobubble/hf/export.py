@@ -53,6 +53,16 @@ WEIGHTS = "model.safetensors"
 PROVENANCE = "nobubble.json"
 
 
+def unexportable(mc: ModelConfig) -> str | None:
+    """Why the export cannot write a run of the model ``mc``, or None if it can."""
+    if mc.moe_experts:
+        return (
+            "a mixture-of-experts model, and the export writes the Hugging Face Llama format, "
+            "which holds dense models only"
+        )
+    return None
+
+
 def export_hf(
     run_dir: Path, out: Path, *, step: int | None = None, version: Version = "newest"
 ) -> Path:
@@ -80,11 +90,9 @@ def export_hf(
         )
     tokenizer = load_tokenizer(run_dir)
     mc = model_config(cfg, tokenizer.vocab_size)
-    if mc.moe_experts:
-        raise ConfigError(
-            f"{run_dir} trained a mixture-of-experts model, and the export writes the Hugging Face "
-            "Llama format, which holds dense models only; nothing was written (docs/moe.md)"
-        )
+    why_not = unexportable(mc)
+    if why_not:
+        raise ConfigError(f"{run_dir} trained {why_not}; nothing was written (docs/moe.md)")
     reader = CheckpointReader(checkpoint)
     chosen = resolve_version(reader, version, checkpoint)
     weights = _version_weights(reader, chosen)
