@@ -4,14 +4,16 @@ import contextlib
 import json
 import re
 import string
+import warnings
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nobubble.cli import main
+from nobubble.cli import build_parser, chosen_keys, main, warn_unused_settings
 from nobubble.config import FIELDS, ConfigError, load_toml, parse_overrides
 from nobubble.configure import build_config
+from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning
 from tests.pipeline_helpers import SMALL
 
 
@@ -99,6 +101,150 @@ def test_schedule_command_is_wired(capsys):
                  "--steps", "2", "--json", "--no-grid"]) == 0  # fmt: skip
     summary = json.loads(capsys.readouterr().out)
     assert "bubble_fraction" in summary
+
+
+# -- key=value words and flags in any order ------------------------------------------------------
+
+
+def test_key_value_words_may_follow_any_flag(tmp_path):
+    out = tmp_path / "run"
+    assert train("steps=2", "--out", str(out), *SMALL, "lr=1e-3", "--seed", "3", "lr=2e-3") == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["steps"], saved["lr"], saved["seed"]) == (2, 2e-3, 3)  # the later word wins
+
+
+@pytest.mark.parametrize(
+    ("argv", "dest", "words"),
+    [
+        (
+            ["train", "a=1", "--out", "X", "b=2", "--seed", "1", "c=3"],
+            "overrides",
+            ["a=1", "b=2", "c=3"],
+        ),
+        (["bench", "a=1", "--stages", "2", "b=2"], "overrides", ["a=1", "b=2"]),
+        (["report", "runs/a", "--out", "R", "runs/b"], "runs", ["runs/a", "runs/b"]),
+    ],
+)
+def test_every_command_takes_its_words_before_and_after_its_flags(argv, dest, words):
+    assert getattr(build_parser().parse_args(argv), dest) == words
+
+
+def test_an_unknown_flag_among_key_value_words_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["train", "steps=3", "--out", "X", "lr=1e-3", "--lr-max", "1"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --lr-max 1" in capsys.readouterr().err
+
+
+# -- settings the run never reads -----------------------------------------------------------------
+
+# (settings, under torchrun, the ones that do nothing); every setting that only some runs read
+# appears as unused at least once (test_the_table_covers_every_setting_only_some_runs_read)
+UNUSED = [
+    ({"ef_gamma": 5.0}, False, {"ef_gamma"}),
+    ({"ef_gamma": 5.0, "correction": "ef+predict", "schedule": "2bw"}, False, set()),
+    ({"ef_gamma": 5.0, "ef": True}, False, set()),
+    ({"nesterov": True}, False, {"nesterov"}),
+    ({"nesterov": False, "optim": "muon"}, False, set()),
+    ({"nesterov": True, "optim": "sgd", "momentum": 0.0}, False, {"nesterov"}),
+    ({"moe_top_k": 2}, False, {"moe_top_k"}),
+    ({"moe_top_k": 1, "preset": "cpu-moe"}, False, set()),
+    ({"moe_top_k": 1, "moe_experts": 4}, False, set()),
+    (
+        {"preset": "cpu-moe", "moe_experts": 0, "moe_shared_experts": 1, "moe_d_ff": 32,
+         "moe_layers": [0], "moe_capacity_factor": 1.5, "moe_aux_coef": 0.0, "moe_bias_rate": 0.1},
+        False,
+        {"moe_shared_experts", "moe_d_ff", "moe_layers", "moe_capacity_factor", "moe_aux_coef",
+         "moe_bias_rate"},
+    ),
+    ({"beta3": 0.9}, False, {"beta3"}),
+    ({"beta3": 0.9, "optim": "adan"}, False, set()),
+    ({"beta1": 0.8, "beta2": 0.9, "optim": "sgd"}, False, {"beta1", "beta2"}),
+    ({"beta1": 0.8, "beta2": 0.9, "optim": "muon"}, False, set()),  # its AdamW part
+    ({"eps": 1e-6, "optim": "lion"}, False, {"eps"}),
+    ({"momentum": 0.9}, False, {"momentum"}),
+    ({"momentum": 0.9, "optim": "signum"}, False, set()),
+    ({"nadam_momentum_decay": 0.004}, False, {"nadam_momentum_decay"}),
+    ({"muon_adjust_lr": "original", "optim": "sgd"}, False, {"muon_adjust_lr"}),
+    ({"decay_frac": 0.3}, False, {"decay_frac"}),
+    ({"decay_frac": 0.3, "lr_schedule": "wsd"}, False, set()),
+    ({"min_lr_ratio": 0.0, "lr_schedule": "constant"}, False, {"min_lr_ratio"}),
+    ({"nesterov_gamma": 0.5, "correction": "ef"}, False, {"nesterov_gamma"}),
+    ({"nesterov_gamma": 0.5, "correction": "nesterov"}, False, set()),
+    ({"dc_lambda": 0.1, "dc_mean_square_decay": 0.9}, False, {"dc_lambda", "dc_mean_square_decay"}),
+    ({"dc_lambda": 0.1, "dc_mean_square_decay": 0.9, "correction": "dc"}, False, set()),
+    ({"chunks": 1, "schedule": "1f1b", "stages": 2, "microbatches": 2}, False, {"chunks"}),
+    ({"chunks": 2, "schedule": "interleaved-1f1b", "stages": 2, "microbatches": 2}, False, set()),
+    ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, False,
+     {"p2p_timeout_s", "p2p_routes"}),
+    ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, True, set()),
+    ({"embed_cost": 2.0, "head_cost": 0.5}, False, {"embed_cost", "head_cost"}),
+    ({"embed_cost": 2.0, "head_cost": 0.5, "stages": 2}, False, set()),
+    ({"embed_cost": 2.0, "stages": 2, "stage_layers": [3, 1]}, False, {"embed_cost"}),
+    ({"name": "mine", "out": "runs/here"}, False, {"name"}),
+    ({"name": "mine"}, False, set()),
+    ({"data_field": "body"}, False, {"data_field"}),
+    ({"data_field": "body", "data": "hf:org/set"}, False, set()),
+    ({"data_field": "body", "data": "shards/*.bin"}, False, {"data_field"}),
+    ({"bin_dtype": "uint32", "data": "books/*.txt"}, False, {"bin_dtype"}),
+    ({"bin_dtype": "uint32", "data": "shards"}, False, set()),  # a folder may hold .bin shards
+    ({"bpe_vocab_size": 512}, False, {"bpe_vocab_size"}),
+    ({"bpe_vocab_size": 512, "tokenizer": "bpe"}, False, set()),
+    ({"wandb_project": "p", "wandb_mode": "offline"}, False, {"wandb_project", "wandb_mode"}),
+    ({"wandb_project": "p", "logger": "tensorboard,wandb"}, False, set()),
+    ({"lr": 1e-3, "steps": 5, "weight_decay": 0.0, "warmup_steps": 0}, False, set()),  # read by all
+]  # fmt: skip
+
+
+def unused_warnings(cfg, chosen, torchrun=False) -> dict[str, str]:
+    """The UnusedSettingWarning messages the command line gives, by the setting they name."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_unused_settings(cfg, set(chosen), torchrun)
+    messages = [str(w.message) for w in seen if w.category is UnusedSettingWarning]
+    return {message.split("=", 1)[0]: message for message in messages}
+
+
+@pytest.mark.parametrize(("settings", "torchrun", "unused"), UNUSED)
+def test_a_setting_the_run_never_reads_gets_a_warning_that_says_why(settings, torchrun, unused):
+    cfg = build_config(settings)
+    found = unused_warnings(cfg, settings, torchrun)
+    assert set(found) == unused
+    for key, message in found.items():
+        when = READ_WHEN[key]
+        assert message.startswith(f"{key}=") and "does nothing in this run" in message
+        assert when.when in message and when.now(cfg, RunFacts(False, torchrun)) in message
+    assert unused_warnings(cfg, ()) == {}  # the same values as defaults: nothing was chosen
+
+
+def test_the_table_covers_every_setting_only_some_runs_read():
+    conditional = set(READ_WHEN)
+    assert set().union(*(unused for _, _, unused in UNUSED)) == conditional
+
+
+def test_a_config_file_s_default_values_are_not_chosen_but_its_other_values_are(tmp_path):
+    toml = tmp_path / "c.toml"  # as a sweep writes it: every key, most at their default
+    toml.write_text("nesterov = true\nbeta3 = 0.99\nmomentum = 0.9\n")
+    layers = [load_toml(toml), {"ef_gamma": 1.0}, parse_overrides(["nesterov_gamma=0.9"])]
+    assert chosen_keys(layers) == {"momentum", "ef_gamma", "nesterov_gamma"}
+    cfg = build_config(*layers)
+    assert set(unused_warnings(cfg, chosen_keys(layers))) == {
+        "momentum",
+        "ef_gamma",
+        "nesterov_gamma",
+    }
+
+
+def test_unused_settings_warn_before_the_run_and_a_resume_does_not_repeat_them(tmp_path, recwarn):
+    out = tmp_path / "run"
+    unused = ["--nesterov", "--ef-gamma", "5", "moe_top_k=2", "beta3=0.5"]
+    assert train("--out", str(out), *SMALL, "steps=2", *unused) == 0
+    named = [str(w.message).split("=")[0] for w in recwarn if w.category is UnusedSettingWarning]
+    assert sorted(named) == ["beta3", "ef_gamma", "moe_top_k", "nesterov"]
+    recwarn.clear()
+    assert main(["train", "--no-progress", "--resume", str(out), "steps=3"]) == 0
+    assert json.loads((out / "config.json").read_text())["beta3"] == 0.5  # carried over
+    assert not [w for w in recwarn if w.category is UnusedSettingWarning]
 
 
 # -- property-based: whatever a user types, the answer is a config or a ConfigError ------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nobubble.cli import main
+from nobubble.cli import build_parser, main
 from nobubble.downstream import harness
 from nobubble.downstream.scores import Column, DownstreamError, latest_scores, write_scores
 from tests.test_report import make_run
@@ -144,6 +144,19 @@ def test_bad_task_arguments_get_one_clear_line(tmp_path, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("option", "least"), [("--num-fewshot", 0), ("--limit", 1), ("--batch-size", 1)]
+)
+def test_eval_numbers_name_the_least_they_accept_and_accept_it(capsys, option, least):
+    argv = ["eval", "run", "--tasks", TASK, option]
+    dest = option[2:].replace("-", "_")
+    assert getattr(build_parser().parse_args([*argv, str(least)]), dest) == least
+    for wrong in (str(least - 1), "1.5"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*argv, wrong])
+        assert f"'{wrong}' is not a whole number >= {least}" in capsys.readouterr().err
+
+
 def test_eval_refuses_a_folder_that_is_no_run(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--tasks", TASK]) == 2
     assert "is not a nobubble run folder" in capsys.readouterr().err
@@ -192,34 +205,59 @@ def test_report_puts_scores_beside_losses_and_leaves_other_reports_alone(tmp_pat
 # ---- the whole path: train, `nobubble eval` offline, check against transformers ----
 
 # Runs `nobubble eval` with every socket connection refused and recorded, so that any attempt to
-# reach a hub (or anything else) fails the test even if a library swallows the error.
+# reach a hub (or anything else) fails the test even if a library swallows the error. It also
+# counts torch's environment reports, which lm-eval would add to its results (~4 s each).
 EVAL_SCRIPT = textwrap.dedent(
     """
     import json, socket, sys
+    import torch.utils.collect_env
     attempts = []
     def refuse(self, address):
         attempts.append(repr(address))
         raise OSError("network access in an offline test")
     socket.socket.connect = refuse
+    env_reports = []
+    torch.utils.collect_env.get_pretty_env_info = lambda: env_reports.append(1) or "report"
     from nobubble.cli import main
     codes = [main(argv) for argv in json.loads(sys.argv[1])]
-    print(json.dumps({"codes": codes, "attempts": attempts}))
+    print(json.dumps({"codes": codes, "attempts": attempts, "env_reports": len(env_reports)}))
+    """
+)
+# A task whose Hub dataset no cache holds (the offline test's HF_HOME is its own, empty).
+UNCACHED_TASK = textwrap.dedent(
+    """
+    task: nobubble_uncached_qa
+    dataset_path: nobubble-tests/never-downloaded
+    output_type: multiple_choice
+    test_split: test
+    doc_to_text: "{{question}}"
+    doc_to_choice: "{{choices}}"
+    doc_to_target: answer
+    metric_list:
+      - metric: acc
+        aggregation: mean
+        higher_is_better: true
     """
 )
 
 
 @pytest.fixture(scope="module")
 def evaluated_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """A tiny trained run, evaluated three times by `nobubble eval` in one offline process: a
-    misspelled task, the local task in full, then its first 6 questions."""
+    """A tiny trained run, evaluated four times by `nobubble eval` in one offline process, in a
+    folder that is no git repository: a misspelled task, the local task in full, its first 6
+    questions, then a task whose dataset is not cached."""
     root = tmp_path_factory.mktemp("downstream")
     run = root / "run"
     assert main(["train", "--no-progress", "--out", str(run), *SHAPE]) == 0
-    common = ["eval", str(run), "--include-path", str(TASKS), "--device", "cpu"]
+    uncached = root / "uncached_tasks"
+    uncached.mkdir()
+    (uncached / "uncached.yaml").write_text(UNCACHED_TASK)
+    common = ["eval", str(run), "--device", "cpu", "--include-path"]
     calls = [
-        [*common, "--tasks", f"{TASK},hellaswagg"],
-        [*common, "--tasks", TASK],
-        [*common, "--tasks", TASK, "--limit", "6", "--batch-size", "3"],
+        [*common, str(TASKS), "--tasks", f"{TASK},hellaswagg"],
+        [*common, str(TASKS), "--tasks", TASK],
+        [*common, str(TASKS), "--tasks", TASK, "--limit", "6", "--batch-size", "3"],
+        [*common, str(uncached), "--tasks", "nobubble_uncached_qa"],
     ]
     env = {
         **os.environ,
@@ -231,6 +269,7 @@ def evaluated_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     result = subprocess.run(
         [sys.executable, "-c", EVAL_SCRIPT, json.dumps(calls)],
         env=env,
+        cwd=root,
         capture_output=True,
         text=True,
         timeout=400,
@@ -277,7 +316,7 @@ def test_eval_scores_equal_an_independent_computation(evaluated_run, tmp_path):
 
     run, result = evaluated_run
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
-    assert outcome == {"codes": [2, 0, 0], "attempts": []}
+    assert outcome == {"codes": [2, 0, 0, 2], "attempts": [], "env_reports": 0}
     assert "lm-eval has no task named 'hellaswagg'" in result.stderr
     assert "did you mean 'hellaswag'" in result.stderr and "lm-eval ls tasks" in result.stderr
 
@@ -309,6 +348,27 @@ def test_eval_scores_equal_an_independent_computation(evaluated_run, tmp_path):
     assert f"| {TASK} | 0 | acc | {full['results'][TASK]['metrics']['acc']['value']:.4f} |" in (
         result.stdout
     )
+
+
+@pytest.mark.slow
+def test_eval_offline_names_the_missing_dataset_in_one_line_and_says_how_to_get_it(evaluated_run):
+    _, result = evaluated_run
+    assert json.loads(result.stdout.strip().splitlines()[-1])["codes"][3] == 2
+    line = next(x for x in result.stderr.splitlines() if x.startswith("nobubble: error: the data"))
+    assert "the data of nobubble_uncached_qa is not in this machine's" in line
+    assert "'nobubble-tests/never-downloaded'" in line  # the dataset, as the datasets library says
+    assert "get_task_dict(['nobubble_uncached_qa'], TaskManager(include_path=" in line
+    assert "HF_DATASETS_CACHE" in line and "HF_DATASETS_OFFLINE=1" in line
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_eval_describes_no_machine_it_does_not_need(evaluated_run):
+    """lm-eval's `git describe` (outside a repository: "fatal: not a git repository") and its
+    environment report (~4 s) are not run; the score file records its own versions."""
+    _, result = evaluated_run
+    assert "not a git repository" not in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["env_reports"] == 0
 
 
 @pytest.mark.slow

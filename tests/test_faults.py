@@ -103,6 +103,8 @@ def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages, 
     stopped = steps_logged(tmp_path / "cut")
     assert stopped < 150
     assert (tmp_path / "cut" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert (summary["stopped"], summary["steps"]) == ("signal", stopped)
 
     resumed = train_command("--resume", str(tmp_path / "cut"), stages=stages)
     done = subprocess.run(resumed, capture_output=True, text=True, env=env(), timeout=300)
@@ -139,6 +141,8 @@ def test_non_finite_gradients_abort_after_the_patience(tmp_path, stages):
     assert len(skipped) >= 2  # the steps that went bad were skipped and logged
     last = re.search(r"last at step (\d+)", result.stderr).group(1)
     assert lines[-1]["step"] == int(last)  # the step that stopped the run too
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())  # the leader's
+    assert (summary["stopped"], summary["steps"]) == ("non-finite", int(last))
     assert "gave up" not in result.stderr and "p2p_timeout_s" not in result.stderr  # no timeout
 
 

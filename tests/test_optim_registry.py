@@ -17,6 +17,7 @@ from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.lr_schedule import set_lr
 from nobubble.optim.param_groups import Kind, classify
 from nobubble.optim.registry import OPTIMIZERS, build_optimizer
+from nobubble.unused import READ_WHEN, RunFacts
 from nobubble.update import build_stage_optimizer
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
@@ -236,3 +237,34 @@ def test_state_dict_resume_equals_uninterrupted_training(optim: str, ef: bool) -
             opt_.step()
     for (name, p), (_, q) in zip(named, resumed_named, strict=True):
         assert torch.equal(p, q), name
+
+
+class _Reads:
+    """A config that records the settings read from it."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg, self.read = cfg, set()
+
+    def __getattr__(self, name: str):
+        self.read.add(name)
+        return getattr(self.cfg, name)
+
+
+def test_each_optimizer_and_correction_reads_the_settings_the_config_says_it_reads() -> None:
+    """The optimizer registry and the corrections declare the settings they read, which
+    nobubble.unused turns into when each is read (what the warnings about unused settings go
+    by); here that against what building a stage's optimizer really reads."""
+    facts = RunFacts(moe=False, torchrun=False)
+    conditional = set(READ_WHEN)
+    cases = {}
+    for optim in OPTIMIZERS:
+        for correction in ("none", "ef", "nesterov", "dc"):
+            cfg = resolve_config(TrainConfig(optim=optim, correction=correction))
+            reads = _Reads(cfg)
+            build_stage_optimizer(list(build_model(SMALL).named_parameters()), reads, delay=1)
+            said = {k for k in conditional if READ_WHEN[k].holds(cfg, facts)}
+            cases[optim, correction] = (reads.read & conditional, said)
+    checked = set().union(*(read for read, _ in cases.values()))
+    assert {"beta1", "beta3", "eps", "momentum", "nesterov", "ef_gamma", "dc_lambda"} <= checked
+    for case, (read, said) in cases.items():
+        assert read == said & checked, case

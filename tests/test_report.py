@@ -14,6 +14,7 @@ from nobubble.cli import main
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.reporting import cli as report
 from nobubble.reporting.groups import compare, group_runs
+from nobubble.reporting.plots import final_limits, plot_curves
 from nobubble.reporting.runs import EvalPoint, ReportError, discover
 from nobubble.reporting.table import settings_label
 from nobubble.reporting.target import target_rows, time_to_reach
@@ -219,8 +220,15 @@ def diverged_run(tmp_path_factory) -> Path:
     argv = ["train", "--no-progress", "--out", str(out), *SMALL, *DIVERGE, "steps=20"]
     with pytest.warns(RuntimeWarning, match="non-finite loss or gradient"):
         assert main(argv) == 2
-    assert not (out / "summary.json").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "non-finite" and "steps in a row" in summary["reason"]
+    assert summary["steps"] == len(metrics_steps(out)) and "final_val_loss" not in summary
     return out
+
+
+def metrics_steps(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for line in lines if "train_loss" in (r := json.loads(line))]
 
 
 def like(root: Path, run: Path, final: float, **changes) -> Path:
@@ -242,16 +250,66 @@ def test_a_run_the_nonfinite_policy_stopped_is_reported_as_diverged(diverged_run
     assert "| 1 | diverged (1 of 1 seeds) | — | diverged |" in rows["2bw"]
 
 
-def make_diverged(root: Path, **settings) -> Path:
-    """A run folder as the non-finite policy leaves it: its last metrics line is NaN."""
+NAN_LINES = [
+    {"step": 0, "val_loss": 5.0, "val_bpb": 7.5, "train_time_s": 0.0},
+    {"step": 1, "train_loss": 9.0, "grad_norm": 1e9},
+    {"step": 2, "train_loss": math.nan, "grad_norm": math.nan, "skipped_stages": [0]},
+]
+
+
+def make_stopped(root: Path, stopped: str | None, **settings) -> Path:
+    """A run folder stopped at step 2 whose last metrics line is NaN, with a summary saying
+    ``stopped`` (None: no summary, as a hard kill leaves it)."""
     folder = make_run(root, 0.0, finished=False, **settings)
-    lines = [
-        {"step": 0, "val_loss": 5.0, "val_bpb": 7.5, "train_time_s": 0.0},
-        {"step": 1, "train_loss": 9.0, "grad_norm": 1e9},
-        {"step": 2, "train_loss": math.nan, "grad_norm": math.nan, "skipped_stages": [0]},
-    ]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in NAN_LINES))
+    if stopped:
+        summary = {"stopped": stopped, "steps": 2, "reason": f"why it was {stopped}"}
+        (folder / "summary.json").write_text(json.dumps(summary))
     return folder
+
+
+def make_diverged(root: Path, **settings) -> Path:
+    """A run folder as the non-finite policy leaves it."""
+    return make_stopped(root, "non-finite", **settings)
+
+
+@pytest.mark.parametrize("stopped", [None, "signal", "error"])
+def test_why_a_run_stopped_comes_from_its_summary_not_its_last_metrics_line(tmp_path, stopped):
+    """A run whose last line is NaN but that the non-finite policy did not stop (killed, or
+    stopped by a signal or an error) is unfinished, not diverged."""
+    root = tmp_path / "runs"
+    make_run(root, 2.0, schedule="sync")
+    folder = make_stopped(root, stopped, schedule="2bw")
+    runs, warnings = discover([root])
+    assert [run.settings["schedule"] for run in runs] == ["sync"]
+    if stopped is None:
+        assert warnings == [f"skipped {folder}: unfinished (no summary.json)"]
+    else:
+        assert warnings == [
+            f"skipped {folder}: stopped at step 2 (why it was {stopped}); continue it with "
+            f"nobubble train --resume {folder}"
+        ]
+
+
+def test_a_finite_but_diverged_run_is_drawn_off_the_scale_of_the_others(tmp_path):
+    """A run whose loss rose to 6.9e6 (finite) would flatten every other curve: the axis keeps
+    to the runs below the highest starting loss, and its line is labelled with its peak."""
+    root = tmp_path / "runs"
+    for seed, loss in enumerate((2.0, 2.1)):
+        make_run(root, loss, schedule="sync", seed=seed)
+        make_run(root, loss + 0.2, schedule="2bw", seed=seed)
+    make_run(root, 6.9e6, schedule="2bw", lr=1.0)
+    groups = group_runs(discover([root])[0])
+    fig = plot_curves(groups, "step", tmp_path / "curves.png")
+    low, high = fig.axes[0].get_ylim()
+    assert 1.5 < low < 2.0 and 3.3 < high < 3.5  # the others' range after a fifth of training
+    labels = [text.get_text() for ax in fig.axes for text in ax.get_legend().get_texts()]
+    assert [label for label in labels if "off the scale" in label] == [
+        "2bw lr=1.0 (off the scale: up to 6.9e+06)"
+    ]
+    assert final_limits(groups)[1] < 2.5  # the final losses but 6.9e6
+    assert call(str(root), "--vs", "lr", "--out", str(tmp_path / "out")) == 0
+    assert (tmp_path / "out" / "final_loss_vs_lr.png").read_bytes()[:8] == PNG
 
 
 def test_diverged_seeds_count_as_an_infinite_loss(tmp_path):

@@ -1,13 +1,16 @@
 """Checkpoints and exact resume in one process: interrupted + resumed == uninterrupted."""
 
 import json
+import os
 import shutil
+import signal
 import warnings
 
 import pytest
 
 from nobubble.checkpoint.files import verify_checkpoint
 from nobubble.cli import main
+from nobubble.one_process import OneProcessEngine
 from tests.pipeline_helpers import SMALL, assert_same_run, metrics, snapshot
 
 
@@ -210,3 +213,56 @@ def test_training_time_adds_up_over_resumes(tmp_path):
     assert times[0] == 0 and times[1] == first["train_s"] and times[2] == whole["train_s"]
     assert whole["train_s"] > first["train_s"] and whole["wall_s"] > first["wall_s"]
     assert whole["tokens_per_s"] == pytest.approx(13 * 8 * 32 / whole["train_s"])
+
+
+def stop_at_step(monkeypatch, step: int, stop) -> None:
+    """Make training stop with ``stop()`` when the engine reaches ``step`` (a segment later)."""
+    train_segment = OneProcessEngine.run_steps
+
+    def run_steps(self, until, *args):
+        if self.step >= step:
+            stop()
+        return train_segment(self, until, *args)
+
+    monkeypatch.setattr(OneProcessEngine, "run_steps", run_steps)
+
+
+def summary_of(run) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_a_run_stopped_by_an_error_says_why_in_its_summary(tmp_path, monkeypatch):
+    """An error: summary.json says so, with the step reached and the last evaluation; a session
+    that then trains no step leaves a finished run's summary as it was."""
+    run = tmp_path / "r"
+
+    def fail():
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        stop_at_step(patch, 2, fail)
+        with pytest.raises(OSError):
+            train(run, "steps=4", "eval_every=2", "checkpoint_every=2")
+    summary = summary_of(run)
+    assert summary["stopped"] == "error" and summary["steps"] == 2
+    assert summary["reason"] == "OSError: [Errno 28] No space left on device"
+    assert summary["last_eval"]["step"] == 2 and "final_val_loss" not in summary
+    assert resume(run) == 0
+    finished = summary_of(run)
+    assert finished["stopped"] == "finished" and finished["steps"] == 4
+    with monkeypatch.context() as patch:  # the next session fails before its first step
+        stop_at_step(patch, 4, fail)
+        with pytest.raises(OSError):
+            resume(run, "steps=6")
+    assert summary_of(run) == finished
+
+
+def test_a_run_stopped_by_a_signal_says_so_in_its_summary(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "r"
+    stop_at_step(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    assert train(run, "steps=6", "eval_every=2") == 128 + signal.SIGTERM
+    summary = summary_of(run)
+    saved = [p.name for p in (run / "checkpoints").iterdir()]
+    assert summary["stopped"] == "signal" and saved == [f"step_{summary['steps']:06d}"]
+    assert summary["reason"].startswith("SIGTERM: stopped at step")
+    assert f"continue with: nobubble train --resume {run}" in summary["reason"]

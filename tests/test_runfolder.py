@@ -3,6 +3,10 @@ old run only once the new one is ready to start."""
 
 import json
 import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +161,77 @@ def test_resume_takes_no_other_run_folder_flag(tmp_path, flag):
     with pytest.raises(SystemExit):
         main(["train", "--no-progress", "--resume", str(tmp_path / "r"), flag])
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("out", ["/proc/nobubble-test", "/proc/nobubble-test/run", "/sys/x"])
+def test_out_in_a_system_folder_is_one_line(capsys, out):
+    if not Path(out).parents[-2].is_dir():
+        pytest.skip(f"no {Path(out).parents[-2]} here")
+    assert train(out, "steps=2") == 2
+    assert f"cannot make run folder {out}: no folder can be made in" in one_clear_line(capsys)
+
+
+def test_a_name_that_is_not_a_plain_folder_name_is_refused(tmp_path, capsys, monkeypatch):
+    """Without --out the run folder is runs/<name>-<time>: a name with '/' would put it
+    elsewhere (name=../../escaped: outside runs/)."""
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    before = snapshot(tmp_path)
+    for name in ("../../escaped", "sub/run", "/abs"):
+        assert main(["train", "--no-progress", *SMALL, "steps=2", f"name={name}"]) == 2
+        assert "is not a plain folder name" in one_clear_line(capsys)
+        assert snapshot(tmp_path) == before
+    assert main(["train", "--no-progress", *SMALL, "steps=1", "name=..plain"]) == 0
+    assert [p.name[:8] for p in (work / "runs").iterdir()] == ["..plain-"]
+
+
+def test_a_run_through_a_symlink_goes_where_it_points_and_keeps_the_link(tmp_path):
+    target, link = tmp_path / "disk" / "run", tmp_path / "link"
+    link.symlink_to(target)  # dangling until the run is made
+    assert train(link, "steps=2") == 0
+    assert train(link, "steps=3", "--overwrite") == 0
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert json.loads((target / "summary.json").read_text())["steps"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "link"]  # nothing left over
+    assert [p.name for p in (tmp_path / "disk").iterdir()] == ["run"]
+    assert main(["train", "--no-progress", "--resume", str(link), "steps=4"]) == 0
+    assert json.loads((target / "summary.json").read_text())["steps"] == 4
+
+
+def ended_process() -> int:
+    """The id of a process of this machine that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("how", ["--overwrite", "--resume"])
+def test_leftovers_of_killed_commands_are_cleaned_up_or_reported(tmp_path, how):
+    """A setup folder whose process on this machine has ended is deleted; one in use is left
+    alone; every other leftover (another machine's setup folder, a replaced run that was not
+    completely deleted) gets a warning naming it and what to do."""
+    run, host = tmp_path / "r", socket.gethostname()
+    assert train(run, "steps=2") == 0
+    ended, alive = ended_process(), os.getppid()
+    killed_setup = tmp_path / f".r.new-{host}-{ended}"
+    busy_setup = tmp_path / f".r.new-{host}-{alive}"
+    foreign_setup = tmp_path / ".r.new-elsewhere-12"
+    half_deleted = tmp_path / f".r.old-{host}-{ended}"
+    for leftover in (killed_setup, busy_setup, foreign_setup, half_deleted):
+        leftover.mkdir()
+        (leftover / "config.json").write_text("{}")
+    with pytest.warns(UserWarning) as caught:
+        if how == "--resume":
+            assert main(["train", "--no-progress", "--resume", str(run), "steps=3"]) == 0
+        else:
+            assert train(run, "steps=3", "--overwrite") == 0
+    warned = [str(w.message) for w in caught if str(tmp_path) in str(w.message)]
+    assert not killed_setup.exists()
+    assert busy_setup.exists() and foreign_setup.exists() and half_deleted.exists()
+    assert len(warned) == 2, warned
+    assert (
+        f"{foreign_setup} is the setup folder" in warned[0]
+        and f"rm -r {foreign_setup}" in warned[0]
+    )
+    assert f"{half_deleted} holds a run of r" in warned[1] and f"rm -r {half_deleted}" in warned[1]

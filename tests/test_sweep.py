@@ -4,13 +4,17 @@ import argparse
 import json
 import re
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from nobubble.cli import main
+from nobubble.configure import build_config
 from nobubble.reporting import cli as report
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError
+from nobubble.sweeping.planned import PlannedRun, Status
 
 TOY_GRID = """
 [sweep]
@@ -147,3 +151,55 @@ def test_thread_share_splits_the_cores():
     assert (share(1), share(2)) == (1, 1)
     share = sweep.thread_share(jobs=1, cpus=8)
     assert (share(1), share(2)) == (8, 4)
+
+
+def test_a_half_done_run_that_cannot_continue_is_moved_aside_never_deleted(tmp_path, capsys):
+    """Its checkpoints all fail verification, and the folder holds a file of the user's: the
+    sweep moves the whole folder aside, says where, and trains the run again."""
+    grid = tmp_path / "one.toml"
+    grid.write_text(TOY_GRID.replace('schedule = ["sync", "2bw"]', 'schedule = ["sync"]'))
+    out = tmp_path / "runs"
+    argv = ["--config", str(grid), "--out", str(out)]
+    run = out / "schedule=sync"
+    base = tomllib.loads(TOY_GRID)["base"]  # the run as the sweep would train it, in-process
+    settings = [f"{key}={value}" for key, value in base.items()]
+    assert main(["train", "--no-progress", "--out", str(run), *settings, "schedule=sync"]) == 0
+    (run / "summary.json").unlink()
+    for manifest in (run / "checkpoints").glob("step_*/manifest.json"):
+        manifest.write_text("{}")
+    (run / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="falling back to an older checkpoint"):
+        assert call(sweep, *argv) == 0
+    text = capsys.readouterr().out
+    (aside,) = (out / "_sweep" / "set-aside").iterdir()
+    assert (aside / "notes.txt").read_text() == "mine" and (aside / "checkpoints").is_dir()
+    assert (
+        f"set aside schedule=sync: its 2 checkpoint(s) fail verification, so it cannot be "
+        f"continued; moved to {aside}" in text
+    )
+    assert last_line(text) == tally(done=1, skipped=0)
+    assert (run / "summary.json").is_file() and not (run / "notes.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "summary, status",
+    [
+        (None, Status.PARTIAL),
+        ({"stopped": "signal", "steps": 2}, Status.PARTIAL),
+        ({"stopped": "error", "steps": 2}, Status.PARTIAL),
+        ({"stopped": "non-finite", "steps": 2}, Status.DIVERGED),
+        ({"stopped": "finished", "final_val_loss": 2.0}, Status.COMPLETE),
+        ({"final_val_loss": 2.0}, Status.COMPLETE),  # written before runs said why they stopped
+        ({"stopped": "lunch"}, Status.CONFLICT),
+    ],
+)
+def test_a_runs_status_comes_from_why_its_summary_says_it_stopped(tmp_path, summary, status):
+    config = build_config({"steps": 4, "out": str(tmp_path / "run")})
+    planned = PlannedRun("", "run", tmp_path / "run", config, "python")
+    planned.path.mkdir()
+    (planned.path / "config.json").write_text(config.to_json())
+    (planned.path / "metrics.jsonl").write_text('{"step": 2, "train_loss": NaN}\n')
+    if summary is not None:
+        (planned.path / "summary.json").write_text(json.dumps(summary))
+    assert planned.status() is status

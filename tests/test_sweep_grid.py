@@ -364,11 +364,13 @@ def test_phases_left_out_with_phase_are_checked_too(tmp_path, launches):
 
 
 def diverge(run: PlannedRun) -> None:
-    """Make ``run``'s folder look like a run the non-finite policy stopped (no summary)."""
+    """Make ``run``'s folder look like a run the non-finite policy stopped."""
     run.path.mkdir(parents=True)
     (run.path / "config.json").write_text(json.dumps(run.config.to_dict()))
     lines = [{"step": 0, "val_loss": 5.0}, {"step": 1, "train_loss": math.nan}]
     (run.path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = {"stopped": "non-finite", "steps": 1, "reason": "1 steps in a row ..."}
+    (run.path / "summary.json").write_text(json.dumps(summary))
 
 
 def test_a_run_that_diverged_in_an_earlier_session_is_done(tmp_path, launches, capsys):

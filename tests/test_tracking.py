@@ -16,6 +16,7 @@ from nobubble.cli import main
 from nobubble.configure import build_config
 from nobubble.data import load_tokenizer
 from nobubble.flops import flops_per_token
+from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
 from nobubble.tracking import TensorBoardLogger, stage_scalars
 from nobubble.train import StepLogger, summary_line
@@ -130,11 +131,22 @@ def test_without_a_peak_the_summary_line_gives_model_tflops_and_says_why_no_mfu(
         "tokens_per_s": 12345.6, "model_tflops": 0.0123,
         "peak_source": "no peak known on cpu: set peak_tflops",
     }  # fmt: skip
-    line = summary_line(summary, tmp_path / "my run", processes=2)
+    line = summary_line(summary, tmp_path / "my run", processes=2, mc=PRESETS["tiny"])
     assert "3 steps in 3 min 20 s, val_loss 2.0000, val_bpb 3.0000, 12,346 tok/s" in line
     assert "0.0123 model TFLOP/s (no MFU: no peak known on cpu: set peak_tflops)" in line
     quoted = f"'{tmp_path / 'my run'}'"
     assert f"torchrun --nproc-per-node 2 -m nobubble train --resume {quoted} steps=N" in line
+
+
+def test_a_moe_run_s_summary_line_offers_no_export_which_refuses_moe_models(tmp_path, capsys):
+    out = tmp_path / "moe"
+    code, printed = train(out, "steps=1", "moe_experts=4", "moe_top_k=2")
+    assert code == 0
+    last = printed.splitlines()[-1]
+    assert last.startswith("nobubble: done: 1 steps") and f"--resume {out} steps=N" in last
+    assert "export" not in last
+    assert main(["export", str(out), str(tmp_path / "hf")]) == 2
+    assert "mixture-of-experts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("logger", ["tensorboard", "wandb"])

@@ -11,11 +11,36 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from nobubble.config import FIELDS, HINTS, ConfigError, TrainConfig, load_toml, parse_overrides
 from nobubble.configure import REGISTRY_NAMES, build_config
+from nobubble.model.resolve import model_config
+from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
+
+
+class AnyOrderParser(argparse.ArgumentParser):
+    """A command's parser whose flags and positional words mix in any order
+    (``train steps=3 --out X lr=1e-3``, ``report A --out R B``): argparse's intermixed parsing.
+
+    Plain parsing gives the positional words one place: after the first flag, the words after
+    a later flag are "unrecognized arguments".
+    """
+
+    _intermixing = False
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing:  # the intermixed parse's own passes (up to Python 3.12)
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
 
 def _flag(name: str) -> str:
@@ -33,7 +58,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="base configuration file")
     group = parser.add_argument_group("configuration (also settable as key=value)")
     for name, field in FIELDS.items():
-        help_text = f"{field.metadata['help']} ({_choices(field)}default: {field.default})"
+        when = READ_WHEN.get(name)
+        read = f"; read only when {when.when}" if when else ""
+        help_text = f"{field.metadata['help']} ({_choices(field)}default: {field.default}{read})"
         if HINTS[name] in (bool, bool | None):
             group.add_argument(
                 _flag(name),
@@ -65,8 +92,20 @@ def config_layers(args: argparse.Namespace) -> list[dict]:
     return [base, flags, parse_overrides(args.overrides)]
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return build_config(*config_layers(args))
+def chosen_keys(layers: Sequence[dict]) -> set[str]:
+    """The settings the user chose in :func:`config_layers`: every flag and ``key=value`` word,
+    and each key of the ``--config`` file whose value is not the default (a file may list every
+    key: a sweep writes each run's whole config)."""
+    base, *typed = layers
+    chosen = {key for key, value in base.items() if value != FIELDS[key].default}
+    return chosen | {key for layer in typed for key in layer}
+
+
+def warn_unused_settings(cfg: TrainConfig, chosen: set[str], torchrun: bool) -> None:
+    """Warn about each of the ``chosen`` settings that this run never reads."""
+    facts = RunFacts(moe=bool(model_config(cfg, tokenizer_vocab=1).moe_blocks()), torchrun=torchrun)
+    for message in unused_settings(cfg, chosen, facts).values():
+        warnings.warn(message, UnusedSettingWarning, stacklevel=2)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -75,11 +114,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from nobubble.resume import RunFinished, resumed_config
     from nobubble.train import train
 
-    if args.resume:
-        cfg = resumed_config(Path(args.resume), *config_layers(args))
-    else:
-        cfg = config_from_args(args)
-    run = train_pipeline if launched_by_torchrun() else train
+    layers, torchrun = config_layers(args), launched_by_torchrun()
+    cfg = resumed_config(Path(args.resume), *layers) if args.resume else build_config(*layers)
+    if os.environ.get("RANK", "0") == "0":  # one warning, not one per pipeline stage
+        # a resumed run's saved settings are no layer: only what is given now is named
+        warn_unused_settings(cfg, chosen_keys(layers), torchrun)
+    run = train_pipeline if torchrun else train
     try:
         run(cfg, args.overwrite, resume=bool(args.resume), auto_resume=args.auto_resume)
     except RunFinished as finished:
@@ -104,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nobubble", description="Asynchronous pipeline-parallel LLM pretraining."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=AnyOrderParser)
 
     train_parser = commands.add_parser(
         "train", help="train a model (one process: simulation; under torchrun: the pipeline)"

@@ -14,7 +14,6 @@ here ever deletes a run it was asked to continue.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import warnings
@@ -24,6 +23,7 @@ from pathlib import Path
 from nobubble.checkpoint.files import (
     CheckpointError,
     check_format,
+    checkpoint_folders,
     checkpoint_step,
     read_meta,
     sha256,
@@ -31,10 +31,18 @@ from nobubble.checkpoint.files import (
 )
 from nobubble.config import FIELDS, ConfigError, TrainConfig
 from nobubble.configure import build_config
+from nobubble.files import DamagedFile, read_json_lines, read_json_object
 from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
 from nobubble.model.resolve import model_config
-from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, write_json_atomic
+from nobubble.runfolder import (
+    NewRun,
+    RunFolder,
+    holds_files,
+    run_path,
+    tidy_leftovers,
+    write_json_atomic,
+)
 from nobubble.schedules.registry import schedule_spec
 from nobubble.tracking import require_loggers
 
@@ -65,12 +73,24 @@ class RunFinished(Exception):
 
 def saved_config(run_dir: Path) -> dict:
     path = run_dir / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{run_dir} is not a nobubble run folder (it has no config.json)")
+    return read_json_object(path, CONFIG_FIX)
+
+
+CONFIG_FIX = (
+    "it holds the run's settings: restore it (a copy is in every checkpoint's "
+    'shard_0/meta.json, under "config")'
+)
+
+
+def saved_train_config(run_dir: Path) -> TrainConfig:
+    """The configuration saved in ``run_dir``'s config.json, checked like any other."""
+    saved = saved_config(run_dir)
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
+        return build_config(saved)
+    except ConfigError as exc:
+        raise DamagedFile(f"{run_dir / 'config.json'} is damaged: {exc}; {CONFIG_FIX}") from None
 
 
 def resumed_config(run_dir: Path, *layers: dict) -> TrainConfig:
@@ -82,7 +102,7 @@ def resumed_config(run_dir: Path, *layers: dict) -> TrainConfig:
                 f"--resume continues {run_dir} in place, so out={out} cannot apply; drop --out "
                 "(to branch a run, copy its folder and resume the copy)"
             )
-    saved = build_config(saved_config(run_dir))
+    saved = saved_train_config(run_dir)
     cfg = build_config(saved.to_dict(), *layers, {"out": str(run_dir)})
     check_compatible(saved, cfg, run_dir)
     return cfg
@@ -173,7 +193,7 @@ def split_change_note(saved: TrainConfig, cfg: TrainConfig, step: int) -> str | 
 def latest_valid_checkpoint(root: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint that verifies and its manifest, warning about every newer one that
     does not."""
-    for folder in sorted(root.glob("step_*"), reverse=True):
+    for folder in reversed(checkpoint_folders(root)):
         try:
             manifest = verify_checkpoint(folder)
         except CheckpointError as exc:
@@ -183,21 +203,35 @@ def latest_valid_checkpoint(root: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def truncate_metrics(run: RunFolder, step: int) -> None:
-    """Drop metrics lines after ``step`` (the resumed run writes them again) and torn lines."""
+def metrics_up_to(run: RunFolder, step: int) -> str | None:
+    """metrics.jsonl as the run continuing from ``step`` has it (None: there is none): the lines
+    up to ``step`` (the resumed run writes the later ones again), without damaged lines (a line
+    cut short by a hard kill), with a warning if there were any."""
     if not run.metrics_path.exists():
-        return
-    kept = []
-    for line in run.metrics_path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a hard kill
-        if record.get("step", 0) <= step:
-            kept.append(line)
-    tmp = run.metrics_path.with_name(".metrics.jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(run.metrics_path)
+        return None
+    fix = "move it out of the run folder (the resumed run starts a new one)"
+    lines, damaged = read_json_lines(run.metrics_path, fix)
+    if damaged:
+        warnings.warn(
+            f"{run.metrics_path}: dropping {damaged} damaged line(s) (cut short by a hard kill, "
+            "or garbage)",
+            stacklevel=2,
+        )
+    kept = [text for text, record in lines if _step_of(record) <= step]
+    return "".join(text + "\n" for text in kept)
+
+
+def _step_of(record: dict) -> float:
+    step = record.get("step", 0)
+    return step if isinstance(step, int | float) else 0
+
+
+def check_replaceable(path: Path) -> None:
+    """A file the run will write anew (summary.json) must be a file, if it exists at all."""
+    if path.exists() and not path.is_file():
+        raise DamagedFile(
+            f"{path} is not a file, and the run writes its {path.name} there; move it away"
+        )
 
 
 def tokenizer_digest(run_dir: Path) -> str | None:
@@ -214,16 +248,22 @@ def resume_command(run_dir: Path, processes: int) -> str:
 @dataclass
 class Resumption:
     """A run to continue from ``checkpoint``, set up in place: the setup writes nothing, and
-    :meth:`commit` updates config.json and metrics.jsonl for the continuation."""
+    :meth:`commit` updates config.json and metrics.jsonl (``metrics``: its new text, None to
+    leave it absent) for the continuation."""
 
     cfg: TrainConfig
     work: Path
     checkpoint: Path
+    metrics: str | None
 
     def commit(self) -> RunFolder:
         run = RunFolder(self.work)
         write_json_atomic(run.config_path, self.cfg.to_dict())
-        truncate_metrics(run, checkpoint_step(self.checkpoint))
+        if self.metrics is not None:
+            tmp = run.metrics_path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text(self.metrics)
+            tmp.replace(run.metrics_path)
+        tidy_leftovers(Path(os.path.realpath(self.work)))
         return run
 
     def discard(self) -> None:
@@ -234,7 +274,7 @@ def reopen(cfg: TrainConfig, path: Path) -> Resumption:
     """Check that ``path`` holds this run and a checkpoint it can continue from (a checkpoint of
     any number of shards loads into any layout that ``cfg`` allows, :func:`check_layout_change`).
     """
-    check_compatible(build_config(saved_config(path)), cfg, path)
+    check_compatible(saved_train_config(path), cfg, path)
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(
             f"cannot continue {path}: it is not writable (the run writes metrics and "
@@ -242,7 +282,7 @@ def reopen(cfg: TrainConfig, path: Path) -> Resumption:
         )
     found = latest_valid_checkpoint(path / "checkpoints")
     if found is None:
-        tried = len(list((path / "checkpoints").glob("step_*")))
+        tried = len(checkpoint_folders(path / "checkpoints"))
         why = f"{tried} failed verification, see the warnings above" if tried else "it has none"
         raise CheckpointError(
             f"{path} holds no complete checkpoint to resume from ({why}); nothing was changed. "
@@ -264,6 +304,9 @@ def reopen(cfg: TrainConfig, path: Path) -> Resumption:
     check_format(checkpoint, manifest)
     # config.json may already name a layout that no checkpoint was saved in yet
     at_checkpoint = build_config(read_meta(checkpoint)["config"])
+    run = RunFolder(path)
+    check_replaceable(run.summary_path)
+    metrics = metrics_up_to(run, step)
     check_layout_change(at_checkpoint, cfg, path)
     note = split_change_note(at_checkpoint, cfg, step)
     if note:
@@ -273,7 +316,7 @@ def reopen(cfg: TrainConfig, path: Path) -> Resumption:
             f"{path / 'tokenizer.json'} is not the tokenizer {checkpoint} was trained with; "
             "restore the run's original tokenizer.json"
         )
-    return Resumption(cfg, path, checkpoint)
+    return Resumption(cfg, path, checkpoint, metrics)
 
 
 def open_run(

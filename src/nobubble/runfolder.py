@@ -2,7 +2,11 @@
 
 A new run is set up in a hidden folder next to its run folder and moved into place only once it
 is ready to start (:class:`NewRun`): a setup that fails, or is killed, leaves the run folder as
-it was (absent, empty, or under ``--overwrite`` the old run).
+it was (absent, empty, or under ``--overwrite`` the old run). What a killed command leaves beside
+a run folder is cleaned up or reported by the next command on it (:func:`tidy_leftovers`).
+
+summary.json says why the run stopped (``stopped``, one of :data:`STOPS`): a run that trained
+all its steps, and one that stopped early on a signal, on non-finite losses or on an error.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -20,6 +25,14 @@ from typing import Any
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.corrections.registry import chosen
+from nobubble.files import DamagedFile, read_json_object
+
+# Why a run stopped, as summary.json records it under "stopped".
+FINISHED = "finished"  # it trained all its steps
+SIGNAL = "signal"  # SIGTERM or Ctrl-C: it saved a checkpoint and can be resumed
+NON_FINITE = "non-finite"  # the non-finite policy stopped it (nonfinite_patience): diverged
+ERROR = "error"  # an error stopped it (its message is in "reason")
+STOPS = (FINISHED, SIGNAL, NON_FINITE, ERROR)
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -44,7 +57,14 @@ def run_name(cfg: TrainConfig) -> str:
 
 
 def default_run_dir(cfg: TrainConfig) -> Path:
-    return Path("runs") / f"{run_name(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = run_name(cfg)
+    if "/" in name or "\0" in name:
+        raise ConfigError(
+            f"name={name!r} is not a plain folder name: without --out the run folder is "
+            "runs/<name>-<time>, so the name may not hold '/'; give a name without one, or "
+            "choose the folder with --out"
+        )
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def run_path(cfg: TrainConfig) -> Path:
@@ -53,6 +73,30 @@ def run_path(cfg: TrainConfig) -> Path:
 
 def holds_files(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())
+
+
+def stop_of(summary: dict[str, Any]) -> str:
+    """Why the run of ``summary`` stopped (summaries from before it was recorded: finished)."""
+    return summary.get("stopped", FINISHED)
+
+
+def read_summary(folder: Path) -> dict[str, Any] | None:
+    """summary.json of the run folder ``folder`` (None if it has none); :class:`DamagedFile`
+    if it is damaged."""
+    path = folder / "summary.json"
+    if not path.exists():
+        return None
+    fix = (
+        "restore it, or delete it: the run then counts as unfinished (nobubble sweep trains it "
+        "again)"
+    )
+    summary = read_json_object(path, fix)
+    if stop_of(summary) not in STOPS:
+        raise DamagedFile(
+            f"{path} is damaged (stopped={stop_of(summary)!r}, not one of {', '.join(STOPS)}); "
+            f"{fix}"
+        )
+    return summary
 
 
 class RunFolder:
@@ -89,8 +133,16 @@ class RunFolder:
 
 
 def _beside(full: Path, kind: str) -> Path:
-    """A hidden folder next to ``full`` on the same file system, private to this process."""
-    return full.parent / f".{full.name}.{kind}-{os.getpid()}"
+    """A hidden folder next to ``full`` on the same file system, private to this process (its
+    name says which process on which machine made it: :func:`tidy_leftovers`)."""
+    return full.parent / f".{full.name}.{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+def target_of(path: Path) -> Path:
+    """The absolute path of the folder ``path`` names: where a symbolic link points, so that a
+    run given ``--out LINK`` goes where the link points and the link stays."""
+    full = Path(os.path.abspath(path))
+    return Path(os.path.realpath(full)) if full.is_symlink() else full
 
 
 class NewRun:
@@ -104,7 +156,7 @@ class NewRun:
     checkpoint: Path | None = None  # a new run starts from scratch
 
     def __init__(self, cfg: TrainConfig, path: Path, overwrite: bool = False) -> None:
-        self.cfg, self.path, self.full = cfg, path, Path(os.path.abspath(path))
+        self.cfg, self.path, self.full = cfg, path, target_of(path)
         check_can_make(path, self.full)
         self.replaces = holds_files(self.full)
         if self.replaces and not overwrite:
@@ -118,9 +170,16 @@ class NewRun:
                 "--overwrite only replaces run folders: choose another --out"
             )
         self.made = [p for p in self.full.parents if not p.exists()]  # nearest first
-        self.full.parent.mkdir(parents=True, exist_ok=True)
         self.work = _beside(self.full, "new")
-        self.work.mkdir()
+        try:
+            self.full.parent.mkdir(parents=True, exist_ok=True)
+            self.work.mkdir()
+        except OSError as exc:
+            self._remove_made()
+            raise ConfigError(
+                f"cannot make run folder {path}: no folder can be made in {self.full.parent} "
+                f"({exc.strerror or exc}); choose another --out"
+            ) from None
         self.committed = False
 
     def commit(self) -> RunFolder:
@@ -143,7 +202,12 @@ class NewRun:
             try:
                 shutil.rmtree(aside)
             except OSError as exc:
-                warnings.warn(f"could not delete the replaced run {aside}: {exc}", stacklevel=2)
+                warnings.warn(
+                    f"could not delete the replaced run {aside}: {exc}; delete it yourself "
+                    f"(rm -r {shlex.quote(str(aside))})",
+                    stacklevel=2,
+                )
+        tidy_leftovers(self.full)
         return RunFolder(self.path)
 
     def discard(self) -> None:
@@ -151,6 +215,9 @@ class NewRun:
         if self.committed:
             return
         shutil.rmtree(self.work)
+        self._remove_made()
+
+    def _remove_made(self) -> None:
         for folder in self.made:
             with contextlib.suppress(OSError):
                 folder.rmdir()
@@ -179,3 +246,67 @@ def check_can_make(path: Path, full: Path) -> None:
             f"when it was cut short; put it back with `mv {shlex.quote(str(asides[0]))} "
             f"{shlex.quote(str(path))}` (or delete it), then run this command again"
         )
+
+
+def _owner(name: str, prefix: str) -> tuple[str | None, int | None]:
+    """(machine, process id) that made the folder ``name`` (``prefix`` + ``HOST-PID``); older
+    versions wrote ``PID`` alone."""
+    host, _, pid = name.removeprefix(prefix).rpartition("-")
+    return host or None, int(pid) if pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _removed(folder: Path) -> bool:
+    try:
+        shutil.rmtree(folder)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def tidy_leftovers(full: Path) -> None:
+    """Deal with what killed commands left beside the run folder ``full`` (which exists).
+
+    A setup folder (``.NAME.new-HOST-PID``) whose process ran on this machine and has ended is
+    provably nobody's: it is deleted. A setup folder of a live process is in use and left alone.
+    Every other leftover gets a warning that names it and what to do: a setup folder of another
+    machine (or an older nobubble), and a replaced run that ``--overwrite`` did not finish
+    deleting (``.NAME.old-HOST-PID``; it may hold files of the user's, so it is never deleted).
+    """
+    here, me = socket.gethostname(), os.getpid()
+    for kind in ("new", "old"):
+        prefix = f".{full.name}.{kind}-"
+        for entry in sorted(full.parent.glob(f"{glob.escape(prefix)}*")):
+            host, pid = _owner(entry.name, prefix)
+            local = host == here and pid is not None and pid > 0
+            if local and (pid == me or _alive(pid)):
+                continue  # this process's own, or another's in use
+            quoted = shlex.quote(str(entry))
+            made_by = f"process {pid} on {host}" if host else "an older nobubble"
+            if kind == "new" and local and _removed(entry):
+                continue
+            if kind == "new":
+                warnings.warn(
+                    f"{entry} is the setup folder of a run of {full.name} that {made_by} was "
+                    "setting up; it holds nothing of value: once that process has ended, delete "
+                    f"it (rm -r {quoted})",
+                    stacklevel=2,
+                )
+            else:
+                warnings.warn(
+                    f"{entry} holds a run of {full.name} that an --overwrite by {made_by} "
+                    f"replaced but did not finish deleting; delete it (rm -r {quoted}) unless "
+                    "you want to keep something in it",
+                    stacklevel=2,
+                )

@@ -6,12 +6,13 @@ a pipeline only drains where something needs the newest weights of every stage.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shlex
 import signal
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
@@ -35,6 +36,7 @@ from nobubble.data import DataBundle, build_data
 from nobubble.engine import Engine, StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.flops import Utilization, utilization
+from nobubble.hf.export import unexportable
 from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model.moe import routing_metrics
@@ -44,12 +46,16 @@ from nobubble.one_process import OneProcessEngine
 from nobubble.profiling import profiled
 from nobubble.provenance import provenance
 from nobubble.resume import open_run, resume_command, tokenizer_digest
-from nobubble.runfolder import RunFolder
+from nobubble.runfolder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder
 from nobubble.tracking import Loggers, open_loggers, scalars_of, stage_scalars
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. gradients keep being non-finite); the message says why."""
+
+
+class NonFiniteError(TrainingError):
+    """The non-finite policy stopped the run: ``nonfinite_patience`` bad steps in a row."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,7 +117,7 @@ class StepLogger:
         self.done = start
         self.pending: dict | None = None
         self.bad_in_a_row = 0
-        self.last_eval: tuple[float, float] | None = None
+        self.last_eval: tuple[int, float, float] | None = None  # step, val_loss, val_bpb
         show = cfg.progress and enabled
         self.bar = tqdm(total=cfg.steps, initial=start, disable=not show, unit="step")
 
@@ -158,7 +164,7 @@ class StepLogger:
             self.flush()  # the step that ends the run is in metrics.jsonl too
             raise abort
 
-    def count_nonfinite(self, stats: StepStats) -> TrainingError | None:
+    def count_nonfinite(self, stats: StepStats) -> NonFiniteError | None:
         """Warn about a non-finite step; the error to stop with once the patience is spent."""
         if not stats.skipped_stages and math.isfinite(stats.loss):
             self.bad_in_a_row = 0
@@ -172,7 +178,7 @@ class StepLogger:
         )
         if self.bad_in_a_row < self.cfg.nonfinite_patience:
             return None
-        return TrainingError(
+        return NonFiniteError(
             f"{self.bad_in_a_row} steps in a row had non-finite gradients (last at step "
             f"{stats.step + 1}); lower the learning rate, enable grad_clip, or check the data"
         )
@@ -181,7 +187,7 @@ class StepLogger:
         if not self.enabled:
             return
         val_loss, val_bpb = sums.result()
-        self.last_eval = (val_loss, val_bpb)
+        self.last_eval = (step, val_loss, val_bpb)
         if self.pending is None or self.pending["step"] != step:
             self.flush()
             self.pending = {"step": step}
@@ -305,7 +311,10 @@ def run_training(
     stops, evals, saves = boundaries(cfg, engine.step)
     usage = utilization(mc, cfg.seq_len, engine.device, engine.layout.world, cfg.peak_tflops)
     watch_stages = bool(chosen_loggers(cfg))  # the same on every rank: stage_reports is collective
-    with StepLogger(cfg, run, engine.step, before, usage, enabled=leader) as log:
+    with (
+        StepLogger(cfg, run, engine.step, before, usage, enabled=leader) as log,
+        stops_recorded(run, log, engine, usage, resumed_at),
+    ):
         if engine.step == 0:
             log.on_eval(0, engine.evaluate(val, token_bytes))
         for stop in stops:
@@ -333,8 +342,39 @@ def run_training(
         return None
     summary = run_summary(log, engine, usage, resumed_at, stages)
     run.write_summary(summary)
-    print(summary_line(summary, run.path, engine.layout.world), flush=True)
+    print(summary_line(summary, run.path, engine.layout.world, mc), flush=True)
     return summary
+
+
+def why_stopped(error: BaseException) -> tuple[str, str]:
+    """(summary.json's ``stopped``, a line saying why) for a run that ``error`` ended early."""
+    if isinstance(error, Interrupted):
+        return SIGNAL, f"{signal.Signals(error.signum).name}: {error}"
+    if isinstance(error, KeyboardInterrupt):
+        return SIGNAL, "aborted by a second interrupt, without saving a checkpoint"
+    if isinstance(error, NonFiniteError):
+        return NON_FINITE, str(error)
+    text = str(error).strip().splitlines()
+    return ERROR, f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+@contextlib.contextmanager
+def stops_recorded(
+    run: RunFolder, log: StepLogger, engine: Engine, usage: Utilization, resumed_at: int
+) -> Iterator[None]:
+    """On the leader, write summary.json for a run that an error or a signal ends early, saying
+    why; where it cannot be written, the run's own error is what the user sees. A session that
+    trained no step leaves an existing summary alone (a finished run's is never replaced by
+    that of an attempt that did nothing)."""
+    try:
+        yield
+    except BaseException as error:
+        if log.enabled and not (log.done == resumed_at and run.summary_path.exists()):
+            stopped, reason = why_stopped(error)
+            summary = run_summary(log, engine, usage, resumed_at, None, stopped, reason)
+            with contextlib.suppress(OSError):
+                run.write_summary(summary)
+        raise
 
 
 def run_summary(
@@ -343,14 +383,16 @@ def run_summary(
     usage: Utilization,
     resumed_at: int,
     stages: list[dict] | None,
+    stopped: str = FINISHED,
+    reason: str | None = None,
 ) -> dict:
-    """summary.json: the run's final evaluation, throughput, MFU, times and memory."""
-    val_loss, val_bpb = log.last_eval or (float("nan"), float("nan"))
+    """summary.json: why the run stopped, its final evaluation (that of the last step, for a
+    finished run; the last one there was, for a run stopped early), throughput, MFU, times and
+    memory."""
     elapsed = log.elapsed()
     rate = log.tokens_per_s()
     summary = {
-        "final_val_loss": val_loss,
-        "final_val_bpb": val_bpb,
+        "stopped": stopped,
         "tokens_per_s": rate,
         "flops_per_token": usage.flops_per_token,
         "model_tflops": usage.model_tflops(rate),
@@ -358,10 +400,18 @@ def run_summary(
         "peak_source": usage.peak_source,
         "wall_s": elapsed.wall_s,
         "train_s": elapsed.train_s,
-        "steps": engine.step,
+        "steps": engine.step if stopped == FINISHED else log.done,
         "peak_mem_mb": peak_memory_mb(engine.device),
         "code": provenance(),
     }
+    if stopped == FINISHED:
+        _, val_loss, val_bpb = log.last_eval or (0, float("nan"), float("nan"))
+        summary |= {"final_val_loss": val_loss, "final_val_bpb": val_bpb}
+    else:
+        summary["reason"] = reason
+        if log.last_eval:
+            step, val_loss, val_bpb = log.last_eval
+            summary["last_eval"] = {"step": step, "val_loss": val_loss, "val_bpb": val_bpb}
     if usage.peak_tflops is not None:
         summary |= {"peak_tflops": usage.peak_tflops, "mfu": usage.mfu(rate)}
     if resumed_at:
@@ -371,19 +421,20 @@ def run_summary(
     return summary
 
 
-def summary_line(summary: dict, run_dir: Path, processes: int) -> str:
-    """The one line a finished run ends with: results, throughput, time, where, what next."""
+def summary_line(summary: dict, run_dir: Path, processes: int, mc: ModelConfig) -> str:
+    """The one line a finished run (of the model ``mc``) ends with: results, throughput, time,
+    where, and what next (only commands that accept the run)."""
     if "mfu" in summary:
         flops = f"MFU {summary['mfu']:.1%}"
     else:
         flops = f"{summary['model_tflops']:.3g} model TFLOP/s (no MFU: {summary['peak_source']})"
     folder = shlex.quote(str(run_dir))
+    export = "" if unexportable(mc) else f" | export: nobubble export {folder} OUT --format hf"
     return (
         f"nobubble: done: {summary['steps']} steps in {duration(summary['wall_s'])}, "
         f"val_loss {summary['final_val_loss']:.4f}, val_bpb {summary['final_val_bpb']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tok/s, {flops} | run folder: {folder} | more steps: "
-        f"{resume_command(run_dir, processes)} steps=N | export: nobubble export {folder} OUT "
-        "--format hf"
+        f"{resume_command(run_dir, processes)} steps=N{export}"
     )
 
 

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nobubble.checkpoint.named_state import NamedState, decode, encode, from_state_dict
+from nobubble.files import DamagedFile, read_json_object
 from nobubble.runfolder import write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -71,6 +73,17 @@ def checkpoint_name(step: int) -> str:
 
 def checkpoint_step(folder: Path) -> int:
     return int(folder.name.split("_")[1])
+
+
+_CHECKPOINT_NAME = re.compile(r"step_\d+")
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """The ``step_N`` folders under ``root``, oldest first (other entries are not checkpoints)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=checkpoint_step)
 
 
 def staging_dir(root: Path, step: int) -> Path:
@@ -154,16 +167,35 @@ def publish(staging: Path, final: Path, step: int, shards: int) -> Path:
     return final
 
 
+def _manifest_problem(manifest: dict) -> str | None:
+    """What is wrong with the structure of a manifest (None: nothing)."""
+    files, shards = manifest.get("files"), manifest.get("shards")
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
+        return "no file checksums"
+    if any(Path(name).is_absolute() or ".." in Path(name).parts for name in files):
+        return "a file outside the checkpoint"
+    if not isinstance(manifest.get("step"), int) or not isinstance(shards, int) or shards < 1:
+        return "no step or shard count"
+    if manifest.get("format", 1) != 1 and not isinstance(manifest.get("params"), dict):
+        return "no parameter index"
+    return None
+
+
 def verify_checkpoint(folder: Path) -> dict:
     """Return the manifest; raise :class:`CheckpointError` unless every file matches it."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no {MANIFEST}: it is incomplete")
     try:
-        manifest = json.loads(manifest_path.read_text())
-        files: dict[str, str] = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {folder} has an unreadable manifest ({exc})") from None
+        manifest = read_json_object(manifest_path, "")
+    except DamagedFile as exc:
+        raise CheckpointError(f"checkpoint {folder} has a damaged manifest ({exc})") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"checkpoint {folder} has a damaged manifest: it names {problem}")
+    files: dict[str, str] = manifest["files"]
     for name, expected in files.items():
         path = folder / name
         if not path.is_file():
@@ -325,6 +357,6 @@ def newest_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def prune(root: Path, keep: int) -> None:
     """Delete all but the ``keep`` newest complete checkpoints."""
-    complete = sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
+    complete = [p for p in checkpoint_folders(root) if (p / MANIFEST).is_file()]
     for old in complete[:-keep]:
         shutil.rmtree(old)

@@ -191,7 +191,7 @@ def read_parquet(path: Path, field: str) -> Iterator[str]:
     try:
         parquet = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as exc:
-        raise DataError(f"cannot read {path} as Parquet: {exc}") from None
+        raise DataError(f"cannot read {path} as Parquet: {one_line(exc)}") from None
     schema = parquet.schema_arrow
     if field not in schema.names:
         raise DataError(
@@ -206,13 +206,28 @@ def read_parquet(path: Path, field: str) -> Iterator[str]:
             "data_field= to a string column"
         )
     row = 0
-    for batch in parquet.iter_batches(columns=[field]):
+    batches = parquet.iter_batches(columns=[field])
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as exc:
+            raise DataError(
+                f"{path} is damaged after row {row} ({one_line(exc)}); re-create or replace the "
+                "file"
+            ) from None
+        if batch is None:
+            return
         for text in batch.column(0).to_pylist():
             row += 1
             if text is None:
                 raise DataError(f"{path} row {row}: column {field!r} is null; drop such rows")
             if text:
                 yield text
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (pyarrow's end in blank lines)."""
+    return " ".join(str(exc).split())
 
 
 def record_text(record: Any, field: str, where: str) -> str:

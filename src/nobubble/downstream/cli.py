@@ -18,18 +18,23 @@ from typing import Any
 from nobubble.downstream.harness import LIST_HINT
 
 
-def _positive(text: str) -> int:
+def _at_least(least: int, text: str) -> int:
+    """``text`` as a whole number of at least ``least``; the error says which numbers are."""
     try:
         number = int(text)
     except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+        number = least - 1
+    if number < least:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {least}")
     return number
 
 
+def _positive(text: str) -> int:
+    return _at_least(1, text)
+
+
 def _count(text: str) -> int:
-    return 0 if text == "0" else _positive(text)
+    return _at_least(0, text)
 
 
 def _batch_size(text: str) -> int | str:
@@ -137,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             limit=args.limit,
             batch_size=args.batch_size,
             device=device,
+            include_path=args.include_path,
         )
         eval_s = time.perf_counter() - start
     settings = {

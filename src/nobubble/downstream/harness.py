@@ -6,12 +6,14 @@ import time; the functions that shape its results into a score file need nothing
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 from nobubble.downstream.scores import FORMAT, DownstreamError
 
@@ -76,6 +78,41 @@ def task_manager(names: Sequence[str], include_path: Path | None) -> TaskManager
     return manager
 
 
+def unreachable_data_error(
+    names: Sequence[str], include_path: Path | None, cause: Exception
+) -> DownstreamError:
+    """The one line for task data that is neither in the local Hugging Face cache nor
+    downloadable here: which, and how to make it available offline."""
+    where = "" if include_path is None else f"include_path={str(include_path)!r}"
+    download = (
+        'python -c "from lm_eval.tasks import TaskManager, get_task_dict; '
+        f'get_task_dict({list(names)!r}, TaskManager({where}))"'
+    )
+    return DownstreamError(
+        f"the data of {', '.join(names)} is not in this machine's Hugging Face datasets cache "
+        f"and cannot be downloaded here ({cause}); where the Hub is reachable, download it with "
+        f"{download}, then copy that machine's datasets cache (HF_DATASETS_CACHE, default "
+        "~/.cache/huggingface/datasets) into this one's; HF_DATASETS_OFFLINE=1 then reads it "
+        "without waiting on the network"
+    )
+
+
+@contextlib.contextmanager
+def _without_machine_report() -> Iterator[None]:
+    """lm-eval's ``simple_evaluate`` ends by describing the machine for its own result files:
+    ``git describe`` in the working folder (which prints "fatal: not a git repository" outside
+    one) and torch's environment report (about 4 s). The score file records the versions that
+    matter itself, so both do nothing while it runs (each only where this lm-eval has it)."""
+    from lm_eval import evaluator
+
+    skipped = {"get_git_commit_hash": lambda: None, "add_env_info": lambda results: None}
+    with contextlib.ExitStack() as stack:
+        for name, nothing in skipped.items():
+            if hasattr(evaluator, name):
+                stack.enter_context(mock.patch.object(evaluator, name, nothing))
+        yield
+
+
 def evaluate(
     model_dir: Path,
     names: Sequence[str],
@@ -85,20 +122,27 @@ def evaluate(
     limit: int | None,
     batch_size: int | str,
     device: str,
+    include_path: Path | None,
 ) -> dict[str, Any]:
-    """lm-eval's results of the model in ``model_dir`` (a transformers folder) on ``names``."""
+    """lm-eval's results of the model in ``model_dir`` (a transformers folder) on ``names``
+    (found by ``manager``, which also searches ``include_path``)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     model = HFLM(pretrained=str(model_dir), device=device, batch_size=batch_size)
-    results = simple_evaluate(
-        model=model,
-        tasks=list(names),
-        task_manager=manager,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        log_samples=False,
-    )
+    try:
+        with _without_machine_report():
+            results = simple_evaluate(
+                model=model,
+                tasks=list(names),
+                task_manager=manager,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                log_samples=False,
+            )
+    except (ConnectionError, LocalEntryNotFoundError) as exc:  # offline, or no network
+        raise unreachable_data_error(names, include_path, exc) from None
     if results is None:  # only on a non-zero rank of a distributed run, which this never starts
         raise DownstreamError("lm-eval returned no results")
     return results

@@ -107,7 +107,7 @@ class Score:
 def _read(path: Path) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         raise DownstreamError(f"cannot read {path}: {exc}") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise DownstreamError(
@@ -134,5 +134,11 @@ def latest_scores(run_dir: Path) -> dict[Column, Score]:
     if that checkpoint was evaluated more than once); empty for a run never evaluated."""
     out: dict[Column, Score] = {}
     for path in score_files(run_dir):
-        out.update(scores_of(_read(path)))  # oldest first: newer ones win
+        try:
+            out.update(scores_of(_read(path)))  # oldest first: newer ones win
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise DownstreamError(
+                f"{path} is damaged (no {exc} where `nobubble eval` writes one); move it out "
+                "of the run folder's downstream/ folder"
+            ) from None
     return out

@@ -36,6 +36,7 @@ from nobubble import __version__
 from nobubble.checkpoint.files import (
     CheckpointError,
     CheckpointReader,
+    checkpoint_folders,
     checkpoint_name,
     read_meta,
     verify_checkpoint,
@@ -52,6 +53,16 @@ from nobubble.runfolder import holds_files, write_json_atomic
 Version = int | Literal["newest"]
 WEIGHTS = "model.safetensors"
 PROVENANCE = "nobubble.json"
+
+
+def unexportable(mc: ModelConfig) -> str | None:
+    """Why the export cannot write a run of the model ``mc``, or None if it can."""
+    if mc.moe_experts:
+        return (
+            "a mixture-of-experts model, and the export writes the Hugging Face Llama format, "
+            "which holds dense models only"
+        )
+    return None
 
 
 def export_hf(
@@ -81,11 +92,9 @@ def export_hf(
         )
     tokenizer = load_tokenizer(run_dir)
     mc = model_config(cfg, tokenizer.vocab_size)
-    if mc.moe_experts:
-        raise ConfigError(
-            f"{run_dir} trained a mixture-of-experts model, and the export writes the Hugging Face "
-            "Llama format, which holds dense models only; nothing was written (docs/moe.md)"
-        )
+    why_not = unexportable(mc)
+    if why_not:
+        raise ConfigError(f"{run_dir} trained {why_not}; nothing was written (docs/moe.md)")
     reader = CheckpointReader(checkpoint)
     chosen = resolve_version(reader, version, checkpoint)
     weights = _version_weights(reader, chosen)
@@ -127,7 +136,7 @@ def export_hf(
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """The verified checkpoint of ``step`` in ``run_dir``, or its newest valid one."""
     root = run_dir / "checkpoints"
-    steps = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+    steps = [p.name for p in checkpoint_folders(root)]
     if step is None:
         found = latest_valid_checkpoint(root) if steps else None
         if found is None:

@@ -11,18 +11,20 @@ continues from its checkpoint, whatever ``init_from`` says.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Collection
+import contextlib
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizerModel
 
 from nobubble.config import ConfigError, TrainConfig
+from nobubble.data.errors import DataError
 from nobubble.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from nobubble.engine import Engine
+from nobubble.files import read_json_object
 from nobubble.hf.convert import Mismatch, describe, differences, hf_name, parameter_shapes
 from nobubble.model.presets import ModelConfig
 
@@ -48,6 +50,19 @@ def init_note(source: Path | None) -> str:
     return f" (weights from init_from={source})" if source else ""
 
 
+@contextlib.contextmanager
+def _opened(path: Path, where: str) -> Iterator[Any]:
+    """``safe_open(path)``, with a damaged file (cut short, overwritten, unreadable) as one
+    :class:`ConfigError` that names it."""
+    try:
+        with safe_open(path, "pt") as fh:
+            yield fh
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(
+            f"{where}: {path} is damaged or cannot be read ({exc}); download the model again"
+        ) from None
+
+
 class HFCheckpoint:
     """A local Hugging Face checkpoint folder: its config and where each tensor is stored."""
 
@@ -59,24 +74,26 @@ class HFCheckpoint:
                 f"{where} is not a folder; give a local checkpoint folder ({HUB_HINT})"
             )
         config_path = folder / CONFIG
-        if not config_path.is_file():
+        if not config_path.exists():
             raise ConfigError(
                 f"{where} has no {CONFIG}: it is not a Hugging Face model folder ({HUB_HINT})"
             )
-        try:
-            self.config: dict[str, Any] = json.loads(config_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read {config_path}: {exc}") from None
+        fix = "download the model again"
+        self.config: dict[str, Any] = read_json_object(config_path, fix)
         self.files = self._locate(where)
 
     def _locate(self, where: str) -> dict[str, Path]:
         """HF tensor name -> the safetensors file that holds it."""
         index = self.folder / INDEX
         if index.is_file():
-            try:
-                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ConfigError(f"cannot read {index}: {exc!r}") from None
+            weight_map = read_json_object(index, "download the model again").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(file, str) for file in weight_map.values()
+            ):
+                raise ConfigError(
+                    f"{index} is damaged (no weight_map of tensor names to files); download the "
+                    "model again"
+                )
             files = {name: self.folder / file for name, file in weight_map.items()}
             for path in sorted(set(files.values())):
                 if not path.is_file():
@@ -84,7 +101,7 @@ class HFCheckpoint:
             return files
         single = self.folder / SINGLE
         if single.is_file():
-            with safe_open(single, "pt") as fh:
+            with _opened(single, where) as fh:
                 return {name: single for name in fh.keys()}  # noqa: SIM118
         if any(self.folder.glob("*.bin")):
             raise ConfigError(
@@ -98,7 +115,14 @@ class HFCheckpoint:
         """Every tensor's shape, from the safetensors headers (no tensor is read)."""
         out: dict[str, tuple[int, ...]] = {}
         for path, names in self._by_file(self.files).items():
-            with safe_open(path, "pt") as fh:
+            with _opened(path, f"init_from={self.folder}") as fh:
+                held = set(fh.keys())
+                lost = sorted(set(names) - held)
+                if lost:
+                    raise ConfigError(
+                        f"init_from={self.folder}: {path.name} lacks {lost[0]}, which the index "
+                        "places there; download the model again"
+                    )
                 out.update({name: tuple(fh.get_slice(name).get_shape()) for name in names})
         return out
 
@@ -106,7 +130,7 @@ class HFCheckpoint:
         """The tensors ``names`` and no others."""
         out: dict[str, torch.Tensor] = {}
         for path, mine in self._by_file(names).items():
-            with safe_open(path, "pt") as fh:
+            with _opened(path, f"init_from={self.folder}") as fh:
                 out.update({name: fh.get_tensor(name) for name in mine})
         return out
 
@@ -117,8 +141,20 @@ class HFCheckpoint:
         return grouped
 
 
-def _vocabulary(json_text: str) -> dict[str, int]:
-    return HFTokenizerModel.from_str(json_text).get_vocab(with_added_tokens=True)
+def _vocabulary(json_text: str, source: str) -> dict[str, int]:
+    try:
+        return HFTokenizerModel.from_str(json_text).get_vocab(with_added_tokens=True)
+    except Exception as exc:  # the Rust loader raises a bare Exception
+        raise DataError(
+            f"{source} is not a valid Hugging Face tokenizer.json ({exc}); download the model again"
+        ) from None
+
+
+def _file_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {path} ({exc}); download the model again") from None
 
 
 def tokenizer_mismatches(
@@ -131,8 +167,8 @@ def tokenizer_mismatches(
     out = []
     same_tokens = True
     if theirs_file.is_file():
-        ours = _vocabulary(tokenizer.to_json())
-        theirs = _vocabulary(theirs_file.read_text())
+        ours = _vocabulary(tokenizer.to_json(), f"the run's tokenizer {tokenizer.spec}")
+        theirs = _vocabulary(_file_text(theirs_file), str(theirs_file))
         same_tokens = all(ours.get(token) == index for token, index in theirs.items())
         if not same_tokens:
             why = "token ids would stand for other tokens than the checkpoint was trained on"
@@ -203,6 +239,12 @@ def load_init_from(engine: Engine, folder: Path) -> None:
             raise ConfigError(
                 f"init_from={folder}: {wanted[key]} has shape {tuple(tensor.shape)}, the model "
                 f"needs {tuple(current.shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise ConfigError(
+                f"init_from={folder}: {wanted[key]} in {ckpt.files[wanted[key]].name} holds "
+                "non-finite values (NaN or inf): the file is damaged, or the model diverged; "
+                "download the model again"
             )
         weights[key] = tensor.to(current.dtype)
     engine.restore(weights, engine.checkpoint_state())

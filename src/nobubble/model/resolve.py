@@ -12,10 +12,12 @@ import math
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.model.presets import PRESETS, ModelConfig
 
+# the settings of a model with experts (moe_experts decides whether it has any)
+MOE_SETTINGS = ("moe_top_k", "moe_shared_experts", "moe_d_ff", "moe_layers")
+MOE_SETTINGS += ("moe_capacity_factor", "moe_aux_coef", "moe_bias_rate")
 _OVERRIDES = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
-_OVERRIDES += ("tie_embeddings", "rope_theta", "norm_eps", "vocab_size")
-_OVERRIDES += ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_d_ff", "moe_layers")
-_OVERRIDES += ("moe_capacity_factor", "moe_aux_coef", "moe_bias_rate")
+_OVERRIDES += ("tie_embeddings", "rope_theta", "norm_eps", "vocab_size", "moe_experts")
+_OVERRIDES += MOE_SETTINGS
 
 
 def model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:

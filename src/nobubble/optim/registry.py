@@ -136,6 +136,31 @@ _FACTORIES: dict[str, Callable[[Groups, TrainConfig], OptimizerLike]] = {
     "sgd": _sgd,
 }
 OPTIMIZERS: tuple[str, ...] = tuple(_FACTORIES)
+_ADAM = ("beta1", "beta2", "eps")
+# the settings each factory reads besides lr and weight_decay (muon's AdamW part included);
+# tests/test_optim_registry.py holds this against what building each optimizer really reads
+_SETTINGS_READ: dict[str, tuple[str, ...]] = {
+    "adamw": _ADAM,
+    "muon": (*_ADAM, "momentum", "nesterov", "muon_adjust_lr"),
+    "lion": ("beta1", "beta2"),
+    "adan": (*_ADAM, "beta3"),
+    "soap": _ADAM,
+    "mars": _ADAM,
+    "signum": ("momentum",),
+    "nadamw": (*_ADAM, "nadam_momentum_decay"),
+    "sgd": ("momentum", "nesterov"),
+}
+
+
+def settings_read(optim: str, momentum: float) -> frozenset[str]:
+    """The settings optimizer ``optim`` reads (sgd reads nesterov only with momentum > 0)."""
+    keys = set(_SETTINGS_READ[optim])
+    if optim == "sgd" and momentum == 0:
+        keys.discard("nesterov")  # torch rejects Nesterov without momentum: _sgd drops it
+    return frozenset(keys)
+
+
+OPTIMIZER_SETTINGS = frozenset(key for keys in _SETTINGS_READ.values() for key in keys)
 
 
 def build_optimizer(

@@ -1,5 +1,11 @@
 """PNG figures, one panel per optimizer: validation loss against steps and against training time
-(mean over seeds, the seeds' min-max as a band), and final loss against a setting (mean ± std)."""
+(mean over seeds, the seeds' min-max as a band), and final loss against a setting (mean ± std).
+
+A run that diverged without a non-finite loss (its loss rising far above where it started) would
+flatten every other curve if the axis took it in: the axis is kept to the runs that stay below
+the highest loss any run started from (:func:`ceiling`), and a line that leaves it is labelled
+"off the scale" with the highest value it reached.
+"""
 
 from __future__ import annotations
 
@@ -81,27 +87,48 @@ class Curve:
         return curve
 
 
-def loss_limits(curves: Sequence[Curve]) -> tuple[float, float] | None:
-    """Leave out the first fifth of training, where the loss is far above the rest, so that the
-    differences near the end stay visible."""
-    shown = [c for c in curves if c.steps]
+def ceiling(groups: Sequence[Group]) -> float | None:
+    """The highest validation loss any run had at its first evaluation (step 0: the untrained
+    model). A run above it after the first fifth of training has diverged, finite or not."""
+    firsts = [run.evals[0].val_loss for g in groups for run in g.finished if run.evals]
+    return max(firsts) if firsts else None
+
+
+def _late(curve: Curve) -> list[float]:
+    """The curve after the first fifth of training, where the loss is far above the rest."""
+    return [m for s, m in zip(curve.steps, curve.mean, strict=True) if s >= 0.2 * curve.steps[-1]]
+
+
+def off_scale(curve: Curve, top: float | None) -> bool:
+    """Whether ``curve`` rises above ``top`` (see :func:`ceiling`) after the first fifth."""
+    return top is not None and bool(curve.steps) and max(_late(curve)) > top
+
+
+def loss_limits(curves: Sequence[Curve], top: float | None = None) -> tuple[float, float] | None:
+    """Leave out the first fifth of training, so that the differences near the end stay
+    visible, and the curves that rise above ``top`` (diverged), unless every one does."""
+    drawn = [c for c in curves if c.steps]
+    shown = [c for c in drawn if not off_scale(c, top)] or drawn
     if not shown:
         return None
     low = min(min(c.mean) for c in shown)
-    high = max(
-        max(m for s, m in zip(c.steps, c.mean, strict=True) if s >= 0.2 * c.steps[-1])
-        for c in shown
-    )
+    high = max(max(_late(c)) for c in shown)
     pad = 0.05 * (high - low) or 0.05
     return low - pad, high + pad
 
 
-def plot_curves(groups: Sequence[Group], x: str, path: Path) -> None:
-    """Validation loss against ``x`` ("step" or "time")."""
+def off_scale_note(peak: float) -> str:
+    return f" (off the scale: up to {peak:.3g})"
+
+
+def plot_curves(groups: Sequence[Group], x: str, path: Path) -> Figure:
+    """Validation loss against ``x`` ("step" or "time"), saved to ``path``; the figure."""
     by_optim = panels(groups)
     fig, axes = figure_with_panels(list(by_optim))
     colors = Colors()
-    curves = []
+    curves = {id(g): Curve.of(g) for g in groups if g.finished}
+    top = ceiling(groups)
+    limits = loss_limits(list(curves.values()), top)
     for ax, panel in zip(axes, by_optim.values(), strict=True):
         for group in panel:
             label = line_label(group, panel)
@@ -111,19 +138,36 @@ def plot_curves(groups: Sequence[Group], x: str, path: Path) -> None:
             if not group.finished:  # only its legend entry
                 ax.plot([], [], color=color, label=label, lw=1.5)
                 continue
-            curve = Curve.of(group)
-            curves.append(curve)
+            curve = curves[id(group)]
+            if limits and off_scale(curve, limits[1]):
+                label += off_scale_note(max(curve.mean))
             xs = curve.steps if x == "step" else curve.times
             ax.plot(xs, curve.mean, color=color, label=label, lw=1.5)
             if len(group.finished) > 1:
                 ax.fill_between(xs, curve.low, curve.high, color=color, alpha=0.2, lw=0)
         ax.set_xlabel("step" if x == "step" else "training time (s)")
         ax.legend(fontsize="small")
-    limits = loss_limits(curves)
     if limits:
         axes[0].set_ylim(*limits)
     axes[0].set_ylabel("validation loss")
     fig.savefig(path, dpi=120)
+    return fig
+
+
+def final_limits(groups: Sequence[Group]) -> tuple[float, float] | None:
+    """The final-loss axis when some finite final loss lies above :func:`ceiling` (a run that
+    diverged without a non-finite loss): the other groups' range; None (matplotlib's own) when
+    none does, or every one does."""
+    top = ceiling(groups)
+    finite = [g.loss for g in groups if math.isfinite(g.loss.mean)]
+    shown = [s for s in finite if top is None or s.mean <= top]
+    if len(shown) in (0, len(finite)):
+        return None
+    spread = [0.0 if math.isnan(s.std) else s.std for s in shown]
+    low = min(s.mean - d for s, d in zip(shown, spread, strict=True))
+    high = max(s.mean + d for s, d in zip(shown, spread, strict=True))
+    pad = 0.05 * (high - low) or 0.05
+    return low - pad, high + pad
 
 
 def _x_key(panel: Sequence[Group], keys: Sequence[str]) -> str | None:
@@ -149,6 +193,7 @@ def plot_final_vs(groups: Sequence[Group], keys: Sequence[str], path: Path) -> b
         return False
     fig, axes = figure_with_panels(list(chosen))
     colors = Colors()
+    limits = final_limits(groups)
     for ax, (key, panel) in zip(axes, chosen.values(), strict=True):
         lines: dict[str, list[Group]] = {}
         for group in (g for g in panel if math.isfinite(g.loss.mean)):  # diverged: no point
@@ -156,6 +201,7 @@ def plot_final_vs(groups: Sequence[Group], keys: Sequence[str], path: Path) -> b
         for label, members in lines.items():
             members.sort(key=lambda g: g.settings[key])
             stats = [g.loss for g in members]
+            peak = max(s.mean for s in stats)
             ax.errorbar(
                 [g.settings[key] for g in members],
                 [s.mean for s in stats],
@@ -163,12 +209,14 @@ def plot_final_vs(groups: Sequence[Group], keys: Sequence[str], path: Path) -> b
                 marker="o",
                 capsize=3,
                 color=colors(label),
-                label=label,
+                label=label + (off_scale_note(peak) if limits and peak > limits[1] else ""),
             )
         if _log_scale(key, [g.settings[key] for g in panel]):
             ax.set_xscale("log")
         ax.set_xlabel(key)
         ax.legend(fontsize="small")
+    if limits:
+        axes[0].set_ylim(*limits)
     axes[0].set_ylabel("final validation loss")
     fig.savefig(path, dpi=120)
     return True

@@ -1,9 +1,10 @@
 """Reading run folders: config.json, summary.json, the eval lines of metrics.jsonl, and the
 downstream scores of ``nobubble eval`` (``downstream/``) where there are any.
 
-A run is reported when it finished (summary.json) or diverged: stopped by the non-finite policy,
-or finished with a non-finite loss. A diverged run counts as an infinite final loss, as in a
-sweep's ``best:`` values.
+A run is reported when its summary.json says it finished or diverged: stopped by the non-finite
+policy, or finished with a non-finite loss. A diverged run counts as an infinite final loss, as
+in a sweep's ``best:`` values. A run without a summary, or stopped early otherwise (a signal, an
+error), is unfinished.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 from nobubble.config import FIELDS, ConfigError, coerce
 from nobubble.downstream.scores import Column, Score, latest_scores
+from nobubble.files import read_json_lines, read_json_object
+from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
@@ -37,18 +40,13 @@ def result_settings(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReportError(f"cannot read {path}: {exc}") from None
-
-
 def final_loss(summary: dict[str, Any], key: str = "final_val_loss") -> float:
-    """The summary's final validation loss (or ``key``); a diverged run counts as +inf: one with
-    a non-finite loss, or with no summary at all (see :func:`stopped_diverged`)."""
-    loss = float(summary.get(key, math.nan))
-    return loss if math.isfinite(loss) else math.inf
+    """The summary's final validation loss (or ``key``); a diverged run counts as +inf: one the
+    non-finite policy stopped, or one with a non-finite (or no) final loss."""
+    loss = summary.get(key)
+    if stop_of(summary) == NON_FINITE or not isinstance(loss, int | float):
+        return math.inf
+    return float(loss) if math.isfinite(loss) else math.inf
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class EvalPoint:
 class Run:
     path: Path
     config: dict[str, Any]
-    summary: dict[str, Any]  # empty for a run the non-finite policy stopped
+    summary: dict[str, Any]
     evals: tuple[EvalPoint, ...]
     downstream: Mapping[Column, Score]  # scores from `nobubble eval` (none if never run)
 
@@ -84,53 +82,50 @@ class Run:
         return self.final_loss == math.inf
 
 
-def read_metrics(metrics: Path) -> list[dict[str, Any]]:
-    """The lines of metrics.jsonl (none if it is missing)."""
-    if not metrics.exists():
-        return []
-    try:
-        return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReportError(f"cannot read {metrics}: {exc}") from None
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def read_evals(metrics: Path) -> tuple[EvalPoint, ...]:
-    points = [
-        EvalPoint(
-            step=record["step"],
-            val_loss=record["val_loss"],
-            val_bpb=record["val_bpb"],
-            train_time_s=record.get("train_time_s", math.nan),
-        )
-        for record in read_metrics(metrics)
-        if "val_loss" in record
-    ]
-    return tuple(sorted(points, key=lambda p: p.step))
+def read_evals(metrics: Path) -> tuple[tuple[EvalPoint, ...], int]:
+    """The evaluations metrics.jsonl records, by step, and how many of its lines are damaged
+    (skipped)."""
+    lines, damaged = read_json_lines(metrics, "move it out of the run folder to report the run")
+    points = []
+    for _, record in lines:
+        if "val_loss" not in record:
+            continue
+        fields = (record.get("step"), record["val_loss"], record.get("val_bpb"))
+        if not all(map(_number, fields)):
+            damaged += 1
+            continue
+        seconds = record.get("train_time_s", math.nan)
+        points.append(EvalPoint(*fields, seconds if _number(seconds) else math.nan))
+    return tuple(sorted(points, key=lambda p: p.step)), damaged
 
 
-def stopped_diverged(folder: Path) -> bool:
-    """Whether training stopped on the non-finite policy (``nonfinite_patience``): the run has
-    no summary and its last step line has a non-finite loss or a stage that skipped its update
-    (a run cut short otherwise, even mid-line, ends with an ordinary line or none)."""
-    if (folder / "summary.json").is_file():
-        return False
-    try:
-        steps = [r for r in read_metrics(folder / "metrics.jsonl") if "train_loss" in r]
-    except ReportError:  # a line cut short by a kill: not the policy's doing
-        return False
-    return bool(steps) and (
-        not math.isfinite(steps[-1]["train_loss"]) or "skipped_stages" in steps[-1]
-    )
+CONFIG_FIX = "restore it to report the run (each checkpoint's shard_0/meta.json holds a copy)"
 
 
-def load_run(path: Path) -> Run:
-    summary = path / "summary.json"
-    return Run(
-        path=path,
-        config=read_json(path / "config.json"),
-        summary=read_json(summary) if summary.is_file() else {},
-        evals=read_evals(path / "metrics.jsonl"),
-        downstream=latest_scores(path),
+def load_run(path: Path, summary: dict[str, Any]) -> tuple[Run, str | None]:
+    """The run in ``path`` (whose summary is ``summary``), and a warning if some of its metrics
+    lines are damaged."""
+    evals, damaged = read_evals(path / "metrics.jsonl")
+    config = read_json_object(path / "config.json", CONFIG_FIX)
+    run = Run(path, config, summary, evals, latest_scores(path))
+    if not damaged:
+        return run, None
+    return run, f"{path / 'metrics.jsonl'}: skipped {damaged} damaged line(s)"
+
+
+def stopped_early(folder: Path, summary: dict[str, Any]) -> str | None:
+    """Why the run in ``folder`` is not reported although it has a summary (None: it is, as
+    finished or diverged)."""
+    if stop_of(summary) in (FINISHED, NON_FINITE):
+        return None
+    return (
+        f"skipped {folder}: stopped at step {summary.get('steps', '?')} "
+        f"({summary.get('reason') or stop_of(summary)}); continue it with "
+        f"nobubble train --resume {folder}"
     )
 
 
@@ -162,10 +157,17 @@ def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
                 "pass folders written by `nobubble train` or `nobubble sweep`"
             )
         for folder in folders:
-            if not (folder / "summary.json").is_file() and not stopped_diverged(folder):
+            summary = read_summary(folder)
+            if summary is None:
                 warnings.append(f"skipped {folder}: unfinished (no summary.json)")
                 continue
-            run = load_run(folder)
+            skipped = stopped_early(folder, summary)
+            if skipped:
+                warnings.append(skipped)
+                continue
+            run, damaged = load_run(folder, summary)
+            if damaged:
+                warnings.append(damaged)
             identity = json.dumps(run.settings, sort_keys=True)
             if identity in seen:
                 warnings.append(f"skipped {folder}: same settings and seed as {seen[identity]}")

@@ -4,15 +4,15 @@ Each run's resolved config is written to ``<logs>/<run>.toml`` and trained with
 ``python -m nobubble train --config <run>.toml --auto-resume`` (under ``torchrun --standalone``
 for pipeline runs, one process per stage); stdout and stderr go to ``<logs>/<run>.log``. A run that
 fails does not stop the others. A half-done run (stopped or failed in an earlier session) continues
-from its newest valid checkpoint; one without any to continue from is removed and trained again.
+from its newest valid checkpoint; one without any to continue from is moved aside, whole, into
+``<logs>/set-aside/`` (nothing is deleted: the folder may hold files of the user's, or
+checkpoints that could be restored), and trained again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +25,11 @@ from typing import IO
 
 import tomli_w
 
-from nobubble.checkpoint.files import checkpoint_step
+from nobubble.checkpoint.files import checkpoint_folders, checkpoint_step
+from nobubble.files import DamagedFile
+from nobubble.reporting.runs import final_loss
 from nobubble.resume import latest_valid_checkpoint
+from nobubble.runfolder import FINISHED, holds_files, stop_of
 from nobubble.sweeping.planned import PlannedRun
 
 POLL_S = 0.2
@@ -65,16 +68,50 @@ class _Running:
     started: float
 
 
-def _can_continue(run: PlannedRun) -> bool:
-    """Whether a half-done run has a valid checkpoint before its last step (one at the last step
-    lacks only the summary, which a resume would not write: that run is trained again)."""
-    found = latest_valid_checkpoint(run.path / "checkpoints")
-    return found is not None and checkpoint_step(found[0]) < run.config.steps
+def cannot_continue(run: PlannedRun) -> str | None:
+    """Why the half-done run in ``run.path`` cannot be continued, or None: it can (from a valid
+    checkpoint before its last step), or there is nothing there. A checkpoint at the last step
+    lacks only the summary, which a resume does not write: that run is trained again."""
+    if not holds_files(run.path):
+        return None
+    root = run.path / "checkpoints"
+    found = latest_valid_checkpoint(root)
+    if found is None:
+        tried = len(checkpoint_folders(root))
+        return f"its {tried} checkpoint(s) fail verification" if tried else "it has no checkpoint"
+    if checkpoint_step(found[0]) >= run.config.steps:
+        return "it has a checkpoint of its last step but no summary.json"
+    return None
+
+
+def set_aside(run: PlannedRun, logs: Path) -> Path:
+    """Move ``run.path`` into ``logs/set-aside/`` under a new name; return where."""
+    folder = logs / "set-aside"
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = folder / f"{run.name}-{stamp}"
+    number = 1
+    while dest.exists():
+        number += 1
+        dest = folder / f"{run.name}-{stamp}-{number}"
+    os.rename(run.path, dest)
+    return dest
+
+
+def make_room(run: PlannedRun, logs: Path) -> str | None:
+    """Move a half-done run that cannot be continued out of the way (never deleting anything);
+    a line saying so, or None if there was nothing to move. OSError if it cannot be moved."""
+    why = cannot_continue(run)
+    if why is None:
+        return None
+    dest = set_aside(run, logs)
+    return (
+        f"set aside {run.label}: {why}, so it cannot be continued; moved to {dest} (delete it "
+        "once you no longer need it), training it again"
+    )
 
 
 def _start(run: PlannedRun, logs: Path) -> _Running:
-    if run.path.exists() and not _can_continue(run):
-        shutil.rmtree(run.path)  # half-done with nothing to continue from: start it again
     logs.mkdir(parents=True, exist_ok=True)
     config_file = logs / f"{run.name}.toml"
     write_config_file(run, config_file)
@@ -99,13 +136,22 @@ def _last_line(path: Path) -> str:
 def _finish(job: _Running, code: int) -> Outcome:
     job.log.close()
     seconds = time.perf_counter() - job.started
-    summary = job.run.summary_path
-    if code == 0 and summary.is_file():
-        loss = json.loads(summary.read_text())["final_val_loss"]
-        return Outcome(job.run, True, seconds, f"val_loss {loss:.4f}")
+    try:
+        summary = job.run.summary()
+    except DamagedFile as exc:
+        return Outcome(job.run, False, seconds, str(exc))
+    if code == 0 and summary is not None and stop_of(summary) == FINISHED:
+        return Outcome(job.run, True, seconds, f"val_loss {final_loss(summary):.4f}")
     reason = f"exit {code}" if code else "exited without a summary.json"
     detail = f"{reason}: {_last_line(job.log_path)} (log: {job.log_path})"
     return Outcome(job.run, False, seconds, detail)
+
+
+def _cannot_move(run: PlannedRun, exc: OSError) -> str:
+    return (
+        f"{run.path} holds a half-done run that cannot be continued, and moving it aside failed "
+        f"({exc.strerror or exc}); move it away yourself and run the sweep again"
+    )
 
 
 def _stop(jobs: Sequence[_Running]) -> None:
@@ -146,8 +192,17 @@ def run_all(
         while queue or running:
             while queue and sum(slots_of(j.run) for j in running) + slots_of(queue[0]) <= slots:
                 run = queue.popleft()
-                running.append(_start(run, logs_dir(run)))
                 index = len(runs) - len(queue)
+                try:
+                    note = make_room(run, logs_dir(run))
+                except OSError as exc:
+                    outcome = Outcome(run, False, 0.0, _cannot_move(run, exc))
+                    outcomes.append(outcome)
+                    say(f"FAILED {run.label}: {outcome.detail}")
+                    continue
+                if note:
+                    say(note)
+                running.append(_start(run, logs_dir(run)))
                 say(f"[{index:>{width}}/{len(runs)}] start {run.label}")
             for job in list(running):
                 code = job.process.poll()

@@ -1,30 +1,33 @@
 """A planned run: its full config, its folder, and the state that folder is in.
 
-A run is complete when its folder holds summary.json and a config.json with the same result
-settings as planned (folder, threads and progress bar aside). Without a summary it is diverged if
-the non-finite policy stopped it (:func:`~nobubble.reporting.runs.stopped_diverged`): done, like
-a complete run, with an infinite loss; otherwise it is half-done: continued from its newest valid
-checkpoint, or removed and run again if it has none. A folder
-with any other content is never touched: the sweep stops and says which folder and which
-settings differ.
+A run is complete when its folder holds a config.json with the same result settings as planned
+(folder, threads and progress bar aside) and a summary.json saying it finished; diverged when the
+summary says the non-finite policy stopped it: done, like a complete run, with an infinite loss.
+Otherwise (no summary, or one of a run stopped by a signal or an error) it is half-done:
+continued from its newest valid checkpoint, or, with none to continue from, moved aside and run
+again (:mod:`nobubble.sweeping.launch`). A folder with any other content (no run, another run,
+a damaged config.json or summary.json) is never touched: the sweep stops and says which folder
+and what is wrong.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nobubble.config import TrainConfig
-from nobubble.reporting.runs import final_loss, result_settings, stopped_diverged
+from nobubble.files import DamagedFile, read_json_object
+from nobubble.reporting.runs import final_loss, result_settings
+from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
 
 
 class Status(enum.Enum):
     NEW = "run"
-    PARTIAL = "rerun"  # half-done: continued from a checkpoint, else removed and run again
+    PARTIAL = "rerun"  # half-done: continued from a checkpoint, else moved aside and run again
     COMPLETE = "skip"
     DIVERGED = "diverged"  # stopped by the non-finite policy: done, an infinite loss
     CONFLICT = "CONFLICT"
@@ -59,19 +62,29 @@ class PlannedRun:
             return Status.NEW
         if self.conflict() is not None:
             return Status.CONFLICT
-        if self.summary_path.is_file():
+        stopped = self.stopped()
+        if stopped == FINISHED:
             return Status.COMPLETE
-        return Status.DIVERGED if stopped_diverged(self.path) else Status.PARTIAL
+        return Status.DIVERGED if stopped == NON_FINITE else Status.PARTIAL
+
+    def summary(self) -> dict[str, Any] | None:
+        return read_summary(self.path)
+
+    def stopped(self) -> str | None:
+        """Why the run stopped, as its summary says (None: it has none)."""
+        summary = self.summary()
+        return None if summary is None else stop_of(summary)
 
     def conflict(self) -> str | None:
         """Why the folder cannot hold this run, or None if it can."""
         stored_path = self.path / "config.json"
-        if not stored_path.is_file():
+        if not stored_path.exists():
             return f"{self.path} holds files but no config.json (not a run folder)"
         try:
-            stored = result_settings(json.loads(stored_path.read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            return f"{stored_path} is unreadable: {exc}"
+            stored = result_settings(read_json_object(stored_path, "restore it"))
+            self.summary()
+        except DamagedFile as exc:
+            return str(exc)
         planned = result_settings(self.config.to_dict())
         diffs = [
             f"{k}: folder has {stored[k]!r}, grid plans {planned[k]!r}"
@@ -88,6 +101,7 @@ def finished_loss(run: PlannedRun, failed: Collection[Path] = ()) -> float | Non
     """A complete run's final loss, inf for a diverged run or one in ``failed``, None for an
     unfinished one."""
     status = run.status()
-    if status is Status.COMPLETE:
-        return final_loss(json.loads(run.summary_path.read_text()))
+    summary = run.summary()
+    if status is Status.COMPLETE and summary is not None:
+        return final_loss(summary)
     return math.inf if status is Status.DIVERGED or run.path in failed else None
