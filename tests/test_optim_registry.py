@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
+from nobubble.configure import resolve_config
 from nobubble.corrections.ef import ErrorFeedback
 from nobubble.model.layers import build_model, lm_loss
 from nobubble.model.presets import PRESETS
