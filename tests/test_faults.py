@@ -167,7 +167,8 @@ def _peer_that_never_sends(
     import torch.distributed as dist
 
     from nobubble.layout import ParallelLayout
-    from nobubble.pipeline.comm import Channel, Messenger, PeerFailure
+    from nobubble.pipeline.channels import Channel
+    from nobubble.pipeline.comm import Messenger, PeerFailure
     from nobubble.pipeline.replicas import ReplicaReduction
     from nobubble.pipeline.routes import Routes
 

@@ -7,7 +7,7 @@ import pytest
 from nobubble.config import ConfigError
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline import routes as routes_module
-from nobubble.pipeline.comm import Channel
+from nobubble.pipeline.channels import Channel
 from nobubble.pipeline.routes import Routes, resolve_routes
 
 

@@ -11,34 +11,16 @@ carries a message is the :class:`~nobubble.pipeline.routes.Routes`' choice (NCCL
 from __future__ import annotations
 
 import datetime
-import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
+from nobubble.pipeline.channels import Channel, tag
+from nobubble.pipeline.routes import Routes
 from nobubble.profiling import label
-
-if TYPE_CHECKING:
-    from nobubble.pipeline.routes import Routes
-
-
-class Channel(enum.IntEnum):
-    ACTIVATION = 0
-    GRADIENT = 1
-    STATS = 2
-    EVAL_ACTIVATION = 3
-    EVAL_SUMS = 4
-    CONTROL = 5
-    STOP_VOTE = 6
-
-
-def tag(channel: Channel, sequence: int, chunk: int = 0, chunks: int = 1) -> int:
-    """The p2p tag: unique per channel, sequence and receiving chunk (of ``chunks``)."""
-    return (sequence * chunks + chunk) * len(Channel) + int(channel)
 
 
 class PeerFailure(RuntimeError):

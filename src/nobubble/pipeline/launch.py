@@ -35,6 +35,7 @@ from nobubble.pipeline.process_group import (
     open_process_group,
 )
 from nobubble.pipeline.routes import resolve_routes
+from nobubble.pipeline.runtime import PipelineEngine
 from nobubble.profiling import profiled
 from nobubble.resume import open_run
 from nobubble.train import (
@@ -171,8 +172,6 @@ def train_pipeline(
     After a torchrun restart (``--max-restarts``) the run resumes from its newest valid
     checkpoint by itself.
     """
-    from nobubble.pipeline.runtime import PipelineEngine
-
     layout = launch_layout(cfg)
     check_launch(cfg, layout)
     configure_torch(cfg)

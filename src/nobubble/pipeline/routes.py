@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from nobubble.config import ConfigError
 from nobubble.layout import ParallelLayout
-from nobubble.pipeline.comm import Channel
+from nobubble.pipeline.channels import Channel
 
 DATA_CHANNELS = (Channel.ACTIVATION, Channel.GRADIENT, Channel.EVAL_ACTIVATION)
 

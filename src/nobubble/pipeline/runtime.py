@@ -51,7 +51,8 @@ from nobubble.model.layers import lm_loss
 from nobubble.model.moe import routing_size, unpack_routing
 from nobubble.model.partition import stage_specs
 from nobubble.model.presets import ModelConfig
-from nobubble.pipeline.comm import Channel, Messenger, PendingRecv
+from nobubble.pipeline.channels import Channel
+from nobubble.pipeline.comm import Messenger, PendingRecv
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.replicas import PendingReduction, replica_rows
 from nobubble.pipeline.routes import Routes, resolve_routes
