@@ -1,10 +1,10 @@
 """Run folders written by earlier versions of nobubble still load and continue exactly.
 
-``tests/data/v2_run`` is a run folder that nobubble's second version (commit 0658c3b, before the
-configuration was redrawn into sections) wrote: 2bw with error feedback on two stages, four
-steps, a checkpoint at step 2 kept. Its ``config.json`` has the flat keys of that version (``chunks``
-null, as it was saved then) and its metrics hold the losses that version computed for steps 3 and
-4; continuing it from step 2 must give exactly those.
+``tests/data/v2_run`` is a run folder that nobubble's second version (commit 0658c3b, before
+the configuration was redrawn into sections) wrote: 2bw with error feedback on two stages, four
+steps, a checkpoint at step 2 kept. Its ``config.json`` has the flat keys of that version
+(``chunks`` null, as it was saved then) and its metrics hold the losses that version computed for
+steps 3 and 4; continuing it from step 2 must give exactly those.
 """
 
 import json

@@ -18,8 +18,9 @@ from nobubble.data import load_tokenizer
 from nobubble.flops import flops_per_token
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
+from nobubble.run.steplog import StepLogger
+from nobubble.run.summary import summary_line
 from nobubble.tracking import TensorBoardLogger, stage_scalars
-from nobubble.train import StepLogger, summary_line
 from tests.pipeline_helpers import SMALL, metrics, run_train
 from tests.test_resume import cut_back_to
 
@@ -182,8 +183,8 @@ def test_loggers_are_closed_however_the_run_ends(tmp_path, monkeypatch, ending):
     )
     on_step = StepLogger.on_step
 
-    def step_then(self, stats):
-        on_step(self, stats)
+    def step_then(self, stats, last=False):
+        on_step(self, stats, last)
         if stats.step + 1 == 2:
             if ending == "error":
                 raise RuntimeError("a bug at step 2")

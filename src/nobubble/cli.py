@@ -110,18 +110,17 @@ def warn_unused_settings(cfg: TrainConfig, chosen: set[str], torchrun: bool) -> 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from nobubble.interrupt import Interrupted
-    from nobubble.pipeline.launch import launched_by_torchrun, train_pipeline
     from nobubble.resume import RunFinished, resumed_config
-    from nobubble.train import train
+    from nobubble.run.torchrun import launched_by_torchrun
+    from nobubble.run.train import train
 
     layers, torchrun = config_layers(args), launched_by_torchrun()
     cfg = resumed_config(Path(args.resume), *layers) if args.resume else build_config(*layers)
     if os.environ.get("RANK", "0") == "0":  # one warning, not one per pipeline stage
         # a resumed run's saved settings are no layer: only what is given now is named
         warn_unused_settings(cfg, chosen_keys(layers), torchrun)
-    run = train_pipeline if torchrun else train
     try:
-        run(cfg, args.overwrite, resume=bool(args.resume), auto_resume=args.auto_resume)
+        train(cfg, args.overwrite, resume=bool(args.resume), auto_resume=args.auto_resume)
     except RunFinished as finished:
         if os.environ.get("RANK", "0") == "0":  # one line, not one per pipeline stage
             print(f"nobubble: {finished}")
@@ -189,8 +188,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from nobubble.checkpoint.files import CheckpointError
     from nobubble.data import DataError
     from nobubble.pipeline.comm import PeerFailure
+    from nobubble.run.errors import TrainingError
     from nobubble.schedules import ScheduleError
-    from nobubble.train import TrainingError
 
     return (ConfigError, DataError, TrainingError, CheckpointError, ScheduleError, PeerFailure)
 

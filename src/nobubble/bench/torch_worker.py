@@ -3,7 +3,7 @@
 Launched under torchrun (one process per stage) with the same ``key=value`` settings as
 ``nobubble train``, it builds what our runtime builds (the same :class:`~nobubble.model.Stage`
 modules from :func:`~nobubble.model.partition`, the same data from
-:func:`~nobubble.pipeline.launch.build_stage_data` on the first and last stage, the same
+:func:`~nobubble.run.torchrun.build_stage_data` on the first and last stage, the same
 optimizer, per-stage clipping and learning-rate schedule) and trains them with torch's
 ``ScheduleGPipe`` or ``Schedule1F1B``. The loss convention is ours:
 :func:`~nobubble.model.lm_loss` is the mean token loss of a microbatch and ``scale_grads=True``
@@ -46,12 +46,12 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from nobubble.config import ConfigError, TrainConfig, parse_overrides
 from nobubble.configure import build_config
+from nobubble.device import configure_torch
 from nobubble.engine import peak_memory_mb
 from nobubble.layout import ParallelLayout, device_mesh
 from nobubble.model.layers import Stage, lm_loss
 from nobubble.model.partition import stage_specs
 from nobubble.model.resolve import model_config
-from nobubble.pipeline.launch import build_stage_data, launch_layout
 from nobubble.pipeline.process_group import (
     close_process_group,
     device_and_backend,
@@ -59,10 +59,10 @@ from nobubble.pipeline.process_group import (
     open_process_group,
 )
 from nobubble.pipeline.replicas import ReplicaReduction, replica_rows
+from nobubble.run.torchrun import build_stage_data, launch_layout
 from nobubble.runfolder import RunFolder
 from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import autocast
-from nobubble.train import configure_torch
 from nobubble.update import build_stage_optimizer, clip_stage, optimizer_step
 
 TORCH_SCHEDULES = {

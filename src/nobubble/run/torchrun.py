@@ -1,13 +1,13 @@
-"""Start a pipeline run under torchrun: one process per stage, the same training loop on each.
+"""Training under torchrun: one process per stage and replica, the layout from torchrun's
+environment, and a setup that the leader leads.
 
 The layout (:mod:`nobubble.layout`) says which stage (or, interleaved, which model stages) each
-process runs. Its leader (rank 0, the
-first stage) opens the run (a new one is set up in a folder beside its run folder) and builds the
-data; the last stage then builds the same data from the data source with the tokenizer the
-leader sends it (setting up a new run, no rank but the leader touches the run folder: nodes share
-no files but the run folder, where every rank writes its checkpoint shard and, on a resume,
-reads it back); stages in between load no data at all. The run folder changes only once every
-stage is set up.
+process runs. Its leader (the first stage of replica 0) opens the run (a new one is set up in a
+folder beside its run folder) and builds the data; the last stage then builds the same data from
+the data source with the tokenizer the leader sends it (setting up a new run, no rank but the
+leader touches the run folder: nodes share no files but the run folder, where every rank writes
+its checkpoint shard and, on a resume, reads it back); stages in between load no data at all. The
+run folder changes only once every stage is set up (:func:`nobubble.run.setup.train_with`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -25,10 +26,10 @@ from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle, build_data
 from nobubble.data.errors import DataError
 from nobubble.data.tokenizer import tokenizer_from_json
-from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
-from nobubble.interrupt import stop_on_signals
+from nobubble.device import configure_torch
+from nobubble.engine import Engine
 from nobubble.layout import ParallelLayout, replica_group
-from nobubble.model.resolve import model_config
+from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.process_group import (
     close_process_group,
     device_and_backend,
@@ -36,14 +37,6 @@ from nobubble.pipeline.process_group import (
 )
 from nobubble.pipeline.routes import resolve_routes
 from nobubble.pipeline.runtime import PipelineEngine
-from nobubble.profiling import profiled
-from nobubble.resume import open_run
-from nobubble.train import (
-    configure_torch,
-    restore_checkpoint,
-    resuming,
-    run_training,
-)
 
 T = TypeVar("T")
 
@@ -164,51 +157,50 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def train_pipeline(
-    cfg: TrainConfig, overwrite: bool = False, resume: bool = False, auto_resume: bool = False
-) -> Path:
-    """Run this process's stage of the pipeline to the end; return the run folder.
+class TorchrunLauncher:
+    """The setup of one rank of a torchrun launch (:class:`nobubble.run.setup.Launcher`): a
+    context that opens the process group and closes it once the run is done."""
 
-    After a torchrun restart (``--max-restarts``) the run resumes from its newest valid
-    checkpoint by itself.
-    """
-    layout = launch_layout(cfg)
-    check_launch(cfg, layout)
-    configure_torch(cfg)
-    device, backend = device_and_backend(cfg)
-    resolve_routes(cfg.p2p_routes, backend)  # a choice the backend cannot run: refused now
-    open_process_group(backend, device, layout.rank, layout.world, cfg.p2p_timeout_s)
-    auto_resume = auto_resume or restarted_by_torchrun()
-    try:
-        replicas = replica_group(layout, device.type)
-        setup = None
-        try:  # the leader opens the run (a new one in its setup folder); every stage sets up
-            setup = _from_leader(layout, lambda: open_run(cfg, overwrite, resume, auto_resume))
-            data, vocab, val_batches = build_stage_data(cfg, setup.work, layout)
-            mc = model_config(cfg, vocab)
-            source = init_source(cfg, setup.checkpoint)
-            if source:  # the leader checks (it has the tokenizer), every stage loads its own
-                _from_leader(layout, lambda: check_init_from(source, mc, data.tokenizer))
-            engine = PipelineEngine(cfg, mc, device, val_batches, layout, replicas)
-            before = restore_checkpoint(setup.checkpoint, engine, data)
-            if source:
-                load_init_from(engine, source)
-            dist.barrier()  # every stage is ready: only now may the run folder change
-            run = _from_leader(layout, setup.commit)
+    pipeline = True
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.layout = launch_layout(cfg)
+        check_launch(cfg, self.layout)
+        configure_torch(cfg)
+        self.device, backend = device_and_backend(cfg)
+        resolve_routes(cfg.p2p_routes, backend)  # a choice the backend cannot run: refused now
+        open_process_group(
+            backend, self.device, self.layout.rank, self.layout.world, cfg.p2p_timeout_s
+        )
+        self.restarted = restarted_by_torchrun()
+        self.replicas = None
+        try:
+            self.replicas = replica_group(self.layout, self.device.type)
         except BaseException:
-            if layout.is_leader and setup is not None:
-                setup.discard()
+            close_process_group()
             raise
-        if layout.is_leader:
-            note = f"{resuming(setup.checkpoint)}{init_note(source)}"
-            print(f"run folder: {run.path}{note}", flush=True)
-        with (
-            stop_on_signals(announce=layout.is_leader) as stop,
-            profiled(cfg, run.path, engine, pipeline=True),
-        ):
-            run_training(cfg, mc, run, data, engine, before, stop)
-        dist.barrier()  # nobody tears the group down while a peer still talks to it
-        del engine, replicas  # what holds a process group keeps its backend alive past close
-        return run.path
-    finally:
+
+    @property
+    def is_leader(self) -> bool:
+        return self.layout.is_leader
+
+    def from_leader(self, make: Callable[[], T]) -> T:
+        return _from_leader(self.layout, make)
+
+    def build_data(self, cfg: TrainConfig, run_dir: Path) -> tuple[DataBundle | None, int, int]:
+        return build_stage_data(cfg, run_dir, self.layout)
+
+    def engine(self, cfg: TrainConfig, mc: ModelConfig, val_batches: int) -> Engine:
+        return PipelineEngine(cfg, mc, self.device, val_batches, self.layout, self.replicas)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def __enter__(self) -> TorchrunLauncher:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType
+    ) -> None:
+        self.replicas = None  # what holds a process group keeps its backend alive past close
         close_process_group()
