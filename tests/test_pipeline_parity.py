@@ -19,7 +19,8 @@ CASES = [
     pytest.param(2, "2bw", 2, ["optim=adamw"], marks=EXTENDED),  # the ef case's path, less EF
     (2, "2bw", 2, ["optim=adamw", "ef=true"]),
     pytest.param(2, "2bw", 4, ["optim=muon", "ef=true"], marks=EXTENDED),
-    (2, "pipedream", 1, ["optim=muon"]),
+    # Newton–Schulz in bfloat16 (auto on CUDA); the other Muon cases: auto, float32 on a CPU
+    (2, "pipedream", 1, ["optim=muon", "muon_ns_dtype=bfloat16"]),
     (3, "zb-h1", 4, ["optim=adamw"]),  # ranks 1 and 2 keep W's pending, run them later
     # M = 2P: rank 0 runs the next step's forwards while rank 1 still runs its kept-back W's;
     # per-edge routes (NCCL's: a group per stage edge and channel, nobubble.pipeline.routes)

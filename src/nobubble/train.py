@@ -38,6 +38,7 @@ from nobubble.hf.init import check_init_from, init_note, init_source, load_init_
 from nobubble.interrupt import Interrupted, stop_on_signals
 from nobubble.model import ModelConfig, model_config
 from nobubble.moe import routing_metrics
+from nobubble.optim.muon import ns_dtype
 from nobubble.optim.named_state import NamedStateError
 from nobubble.profiling import profiled
 from nobubble.provenance import provenance
@@ -342,7 +343,8 @@ def run_summary(
     resumed_at: int,
     stages: list[dict] | None,
 ) -> dict:
-    """summary.json: the run's final evaluation, throughput, MFU, times and memory."""
+    """summary.json: the run's final evaluation, throughput, MFU, times and memory (and the
+    dtype of Muon's Newton–Schulz)."""
     val_loss, val_bpb = log.last_eval or (float("nan"), float("nan"))
     elapsed = log.elapsed()
     rate = log.tokens_per_s()
@@ -362,6 +364,9 @@ def run_summary(
     }
     if usage.peak_tflops is not None:
         summary |= {"peak_tflops": usage.peak_tflops, "mfu": usage.mfu(rate)}
+    if log.cfg.optim == "muon":  # what muon_ns_dtype resolved to (auto: by the device type)
+        resolved = ns_dtype(log.cfg.muon_ns_dtype, engine.device)
+        summary["muon_ns_dtype"] = str(resolved).removeprefix("torch.")
     if resumed_at:
         summary["resumed_at_step"] = resumed_at
     if stages:
