@@ -6,13 +6,14 @@ another order, so the gradient differs in the last bits (float32 relative roundi
 those differences go through a few optimizer steps. With the SMALL model and six steps, losses
 agree to a relative 1e-5 and weights to an absolute 1e-5 (measured: about 6e-7; the bounds leave a
 factor of ten, and an off-by-one weight version or a replica reading the wrong rows moves the
-losses in the third decimal). Muon orthogonalizing in float32 (muon_ns_dtype=auto on a CPU) keeps
-these bounds: measured 8e-8 (losses) and 2e-7 (weights). In bfloat16 (auto on CUDA) it is looser:
-a last-bit difference of the float32 input can round to a neighbouring bfloat16 value (a relative
-2^-8 of that element of the update); measured over six steps: losses within a relative 1e-5,
-weights within 3e-4, so the bounds are 1e-4 and 1e-3. The run's summary.json says which dtype it
-used. What does not depend on summation order is bitwise: the replicas of a stage hold identical
-weights at the end (their all-reduced gradient is the same bytes).
+losses in the third decimal). Muon orthogonalizing in float32 keeps these bounds: measured 8e-8
+(losses) and 2e-7 (weights). In bfloat16 (muon_ns_dtype=auto's choice on CUDA and on CPUs with
+bfloat16 matrix instructions) it is looser: a last-bit difference of the float32 input can round
+to a neighbouring bfloat16 value (a relative 2^-8 of that element of the update); measured over
+six steps: losses within a relative 1e-5, weights within 3e-4, so the bounds are 1e-4 and 1e-3.
+The run's summary.json says which dtype it used. What does not depend on summation order is
+bitwise: the replicas of a stage hold identical weights at the end (their all-reduced gradient is
+the same bytes).
 """
 
 import json

@@ -101,17 +101,39 @@ def test_float32_muon_keeps_its_momentum_buffer_an_average_of_gradients():
     assert torch.equal(opt.state[param]["momentum_buffer"], 0.5 * param.grad)
 
 
-def test_auto_is_float32_on_a_cpu_and_bfloat16_on_cuda():
-    """By device type alone: every rank and both engines resolve it alike (no GPU is needed to
-    name a CUDA device)."""
-    assert ns_dtype("auto", torch.device("cpu")) == torch.float32
+def pretend_cpu(monkeypatch, **features: bool) -> None:
+    """Make torch report these CPU features (x86 names, as torch.cpu.get_capabilities)."""
+    monkeypatch.setattr(
+        torch.cpu, "get_capabilities", lambda: {"architecture": "x86_64", **features}
+    )
+
+
+@pytest.mark.parametrize(
+    ("features", "dtype"),
+    [
+        ({"avx2": True, "avx512_f": True}, torch.float32),  # bfloat16 emulated or generic: slow
+        ({"avx512_f": True, "avx512_bf16": True}, torch.bfloat16),
+        ({"amx_tile": True, "amx_bf16": True}, torch.bfloat16),
+    ],
+)
+def test_auto_on_a_cpu_is_bfloat16_only_with_bfloat16_matrix_instructions(
+    monkeypatch, features, dtype
+):
+    pretend_cpu(monkeypatch, **features)
+    assert ns_dtype("auto", torch.device("cpu")) == dtype
+
+
+def test_auto_on_cuda_is_bfloat16_and_a_given_dtype_is_kept(monkeypatch):
+    """No GPU is needed to name a CUDA device; the answer depends on no rank's state."""
+    pretend_cpu(monkeypatch, avx2=True)
     assert ns_dtype("auto", torch.device("cuda", 3)) == torch.bfloat16
     for device in ("cpu", "cuda"):
         assert ns_dtype("float32", torch.device(device)) == torch.float32
         assert ns_dtype("bfloat16", torch.device(device)) == torch.bfloat16
 
 
-def test_a_muon_run_records_what_its_setting_resolved_to(tmp_path):
+def test_a_muon_run_records_what_its_setting_resolved_to(tmp_path, monkeypatch):
+    pretend_cpu(monkeypatch, avx2=True)
     out = tmp_path / "run"
     settings = [*SMALL, "optim=muon", "steps=1", "eval_batches=1", "device=cpu"]
     assert main(["train", "--no-progress", "--out", str(out), *settings]) == 0

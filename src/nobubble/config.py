@@ -166,8 +166,8 @@ class TrainConfig:
     muon_adjust_lr: str = _opt("match_rms_adamw", "muon LR scaling: match_rms_adamw | original")
     muon_ns_dtype: str = _opt(
         "auto",
-        "muon: dtype of the Newton–Schulz orthogonalization: auto (bfloat16 on CUDA, float32 on "
-        "CPU; docs/optimizers.md) | float32 | bfloat16",
+        "muon: dtype of the Newton–Schulz orthogonalization: auto (bfloat16 on CUDA and on CPUs "
+        "with bfloat16 matrix instructions, else float32; docs/optimizers.md) | float32 | bfloat16",
     )
     lr_schedule: str = _opt("cosine", "cosine | wsd | constant (all after a linear warmup)")
     warmup_steps: int = _opt(20, "linear warmup steps", NON_NEGATIVE)

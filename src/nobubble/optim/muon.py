@@ -2,16 +2,12 @@
 
 ``torch.optim.Muon`` orthogonalizes every update in bfloat16, fixed inside ``torch.optim._muon``;
 its constructor takes the polynomial's coefficients and step count but neither the function nor
-the dtype. bfloat16 is what a GPU's tensor cores do fast; a CPU without bfloat16 matrix units
-multiplies bfloat16 matrices far slower than float32 (34x on this project's machine, which
-advertises avx512_bf16), and the five iterations then dominate the step. So :class:`Muon`
-subclasses torch's and replaces its step with the same update whose orthogonalization runs in
-``ns_dtype``; in bfloat16 it is bitwise torch's (tested).
-
-``auto`` resolves by the device type alone (:func:`ns_dtype`), so every rank and both engines
-resolve it alike (the simulator and the pipeline stay bitwise equal) and a run continues on
-another host of the same type with the same arithmetic. A CPU feature flag would not be a sound
-rule: avx512_bf16 is present on machines where bfloat16 matmul is the slow path.
+the dtype. bfloat16 is what a GPU's tensor cores do fast, and so does a CPU with bfloat16
+matrix instructions; a CPU without them emulates bfloat16 matrix products or falls back to a
+generic kernel, many times slower than float32 (docs/optimizers.md has the measurements), and the
+five iterations then dominate the step. So :class:`Muon` subclasses torch's and replaces its
+step with the same update whose orthogonalization runs in ``ns_dtype``; in bfloat16 it is
+bitwise torch's (tested).
 """
 
 from __future__ import annotations
@@ -26,13 +22,28 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 
 Coefficients = tuple[float, float, float]
 
+# x86 features (torch.cpu.get_capabilities) that give bfloat16 matrix products instructions of
+# their own: with one, bfloat16 Newton–Schulz beats float32; without, it is the slow path. ARM's
+# bf16 is left out: not measured, and float32 is never far from the fastest.
+BF16_MATMUL_FEATURES = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bfloat16 matrix instructions (cpuinfo's answer, which torch caches)."""
+    capabilities = torch.cpu.get_capabilities()
+    return any(capabilities.get(feature, False) for feature in BF16_MATMUL_FEATURES)
+
 
 def ns_dtype(setting: str, device: torch.device) -> torch.dtype:
     """The dtype ``muon_ns_dtype=setting`` orthogonalizes in on ``device``: ``auto`` is bfloat16
-    on CUDA and float32 elsewhere (float32 is never the slow path of a CPU)."""
-    if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, setting)
+    on CUDA and on a CPU with bfloat16 matrix instructions, float32 elsewhere. It depends on the
+    device type and the host's CPU only, so the ranks of one machine and both engines resolve it
+    alike (the simulator and the pipeline stay bitwise equal)."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matmul()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def orthogonalize(
@@ -44,10 +55,11 @@ def orthogonalize(
 ) -> torch.Tensor:
     """Muon's quintic Newton–Schulz iteration on ``matrix``, computed and returned in ``dtype``.
 
-    For ``matrix = U·S·Vᵀ`` it gives about ``U·S'·Vᵀ`` with every singular value in S' near 1:
-    the coefficients favour a steep start over exact convergence, so S' stays within about
-    [0.5, 1.5] (torch's docstring; tests/test_muon.py checks the band). The operations are
-    torch's, in the same order, so that in bfloat16 the result is torch's bitwise.
+    For ``matrix = U·S·Vᵀ`` it gives about ``U·S'·Vᵀ`` with the singular values in S' near 1:
+    the coefficients favour a steep start over exact convergence, so five steps take every
+    singular value above 0.05 of the Frobenius norm into [0.68, 1.14], not to 1
+    (tests/test_muon.py). The operations are torch's, in the same order, so that in bfloat16 the
+    result is torch's bitwise.
     """
     a, b, c = coefficients
     x = matrix.to(dtype)
