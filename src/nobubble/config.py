@@ -311,6 +311,12 @@ class TrainConfig:
     muon_adjust_lr: str = _opt(
         "match_rms_adamw", "muon LR scaling: match_rms_adamw | original", read_when=_optim("muon")
     )
+    muon_ns_dtype: str = _opt(
+        "auto",
+        "muon: dtype of the Newton–Schulz orthogonalization: auto (bfloat16 on CUDA and on CPUs "
+        "with bfloat16 matrix instructions, else float32; docs/optimizers.md) | float32 | bfloat16",
+        read_when=_optim("muon"),
+    )
     lr_schedule: str = _opt("cosine", "cosine | wsd | constant (all after a linear warmup)")
     warmup_steps: int = _opt(20, "linear warmup steps", NON_NEGATIVE)
     decay_frac: float = _opt(
@@ -649,6 +655,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("p2p_routes", cfg.p2p_routes, P2P_ROUTES)
     _choice("bin_dtype", cfg.bin_dtype, ("uint16", "uint32"))
     _choice("muon_adjust_lr", cfg.muon_adjust_lr, ("match_rms_adamw", "original"))
+    _choice("muon_ns_dtype", cfg.muon_ns_dtype, ("auto", *DTYPES))
     _choice("wandb_mode", cfg.wandb_mode, ("online", "offline"))
     for name in chosen_loggers(cfg):
         _choice("logger", name, LOGGERS)
