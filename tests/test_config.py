@@ -54,6 +54,11 @@ def test_toml_file_with_sections(tmp_path):
         ({"stages": 2, "stage_layers": [4]}, "one block count per model stage"),
         ({"val_fraction": 1.5}, "val_fraction"),
         ({"beta1": 1.5}, "beta1 must be in"),
+        (
+            {"muon_ns_dtype": "float16"},
+            re.escape("unknown muon_ns_dtype 'float16'")
+            + ".*choose one of: auto, float32, bfloat16",
+        ),
     ],
 )
 def test_bad_values_get_clear_errors(layer, message):

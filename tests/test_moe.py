@@ -16,6 +16,7 @@ from nobubble.model.partition import StageSpec
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
 from nobubble.optim.expert_muon import ExpertMuon
+from nobubble.optim.muon import Muon
 from nobubble.optim.param_groups import Kind, classify
 from nobubble.planning.costs import stage_costs
 
@@ -163,19 +164,23 @@ def test_routing_metrics_on_a_known_table():
     }
 
 
-def test_expert_muon_is_torch_muon_on_each_expert_matrix():
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+def test_expert_muon_is_muon_on_each_expert_matrix(ns_dtype):
+    """Against nobubble's Muon in the same dtype (in bfloat16 that is torch's Muon bitwise:
+    tests/test_muon.py)."""
     gen = torch.Generator().manual_seed(5)
     stacked = torch.nn.Parameter(torch.randn(3, 6, 4, generator=gen))
     alone = [torch.nn.Parameter(stacked[e].detach().clone()) for e in range(3)]
-    ours = ExpertMuon([stacked], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    torch_muon = torch.optim.Muon(alone, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    settings = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    ours = ExpertMuon([stacked], ns_dtype=ns_dtype, **settings)
+    reference = Muon(alone, ns_dtype=ns_dtype, **settings)
     for _ in range(3):
         grad = torch.randn(3, 6, 4, generator=gen)
         stacked.grad = grad.clone()
         for e, p in enumerate(alone):
             p.grad = grad[e].clone()
         ours.step()
-        torch_muon.step()
+        reference.step()
     for e in range(3):
         assert torch.equal(stacked[e], alone[e])
 

@@ -96,6 +96,20 @@ def test_muon_takes_each_experts_matrix_and_adamw_the_router() -> None:
     assert experts.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
 
 
+@pytest.mark.parametrize(
+    ("setting", "dtype"),
+    [("auto", torch.float32), ("float32", torch.float32), ("bfloat16", torch.bfloat16)],
+)
+def test_muon_ns_dtype_reaches_the_dense_and_the_expert_muon(monkeypatch, setting, dtype) -> None:
+    """On a CPU without bfloat16 matrix instructions ``auto`` is float32 (the rule:
+    tests/test_muon.py)."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})
+    model = build_model(SMALL_MOE)
+    cfg = TrainConfig(optim="muon", muon_ns_dtype=setting)
+    muon, experts, _ = build_optimizer(list(model.named_parameters()), cfg).optimizers
+    assert (muon.ns_dtype, experts.ns_dtype) == (dtype, dtype)
+
+
 def test_muon_on_a_stage_without_hidden_matrices_is_adamw_alone() -> None:
     stage = [("embed.weight", torch.nn.Parameter(torch.randn(8, 4)))]
     opt = build_optimizer(stage, TrainConfig(optim="muon"))

@@ -112,6 +112,23 @@ def test_resume_refuses_changes_that_make_another_run(tmp_path, capsys):
         assert "Traceback" not in err
 
 
+def test_a_run_saved_before_muon_ns_dtype_continues_exactly_in_bfloat16(tmp_path):
+    """Such a run orthogonalized in bfloat16 (torch's Muon) and its config.json lacks the key,
+    which reads as auto (float32 on a CPU). muon_ns_dtype may change on resume, so the run
+    continues as it was trained."""
+    settings = ["optim=muon", "muon_ns_dtype=bfloat16", "steps=6", "checkpoint_every=3"]
+    assert train(tmp_path / "full", *settings) == 0
+    assert train(tmp_path / "cut", *settings) == 0
+    cut_back_to(tmp_path / "cut", 3)
+    config = tmp_path / "cut" / "config.json"
+    saved = json.loads(config.read_text())
+    del saved["muon_ns_dtype"]
+    config.write_text(json.dumps(saved))
+    assert resume(tmp_path / "cut", "muon_ns_dtype=bfloat16") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+    assert json.loads(config.read_text())["muon_ns_dtype"] == "bfloat16"
+
+
 def test_resume_may_extend_the_run(tmp_path):
     assert train(tmp_path / "r", "steps=4", "lr_schedule=constant") == 0
     assert resume(tmp_path / "r", "steps=6", "eval_every=2") == 0

@@ -51,7 +51,7 @@ SAFE_TO_CHANGE = frozenset(
         "steps", "eval_every", "eval_batches", "log_every", "checkpoint_every",
         "keep_checkpoints", "out", "name", "progress", "threads", "p2p_timeout_s", "p2p_routes",
         "nonfinite_patience", "device", "logger", "wandb_project", "wandb_mode", "peak_tflops",
-        "profile_steps", "compile", "activation_checkpointing", "init_from",
+        "profile_steps", "compile", "activation_checkpointing", "init_from", "muon_ns_dtype",
     }
 )  # fmt: skip
 

@@ -8,6 +8,7 @@ from nobubble.config.fields import DECAY, FRACTION, NON_NEGATIVE, POSITIVE, sett
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")
+MUON_NS_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -30,6 +31,12 @@ class OptimizerSettings:
     momentum: float = setting(0.95, "momentum (muon, signum, sgd)", DECAY)
     nesterov: bool = setting(True, "Nesterov momentum (muon, sgd)")
     muon_adjust_lr: str = setting("match_rms_adamw", "muon LR scaling", choices=MUON_ADJUST_LR)
+    muon_ns_dtype: str = setting(
+        "auto",
+        "muon: dtype of the Newton–Schulz orthogonalization; auto: bfloat16 on CUDA and on CPUs "
+        "with bfloat16 matrix instructions, else float32 (docs/optimizers.md)",
+        choices=MUON_NS_DTYPES,
+    )
     lr_schedule: str = setting(
         "cosine", "learning-rate schedule, after a linear warmup", choices=LR_SCHEDULES
     )

@@ -1,12 +1,12 @@
 """Muon for stacked expert weights: every expert's matrix orthogonalized on its own.
 
 An MoE layer keeps its E experts' matrices in one 3-D parameter (E, A, B). Muon's update is defined
-per matrix, so :class:`ExpertMuon` applies torch's Muon to each (A, B) slice exactly as
-``torch.optim.Muon`` would to that expert's matrix held as its own 2-D parameter: the same
-momentum (kept for the whole tensor; it is elementwise), the same Newton–Schulz iteration and the
-same shape-adjusted learning rate, through torch's own functions (tested bitwise against
-``torch.optim.Muon`` on the separate matrices). Orthogonalizing the flattened (E·A, B) matrix
-instead would couple the experts' updates.
+per matrix, so :class:`ExpertMuon` applies it to each (A, B) slice exactly as the dense
+:class:`~nobubble.optim.muon.Muon` would to that expert's matrix held as its own 2-D parameter: the
+same momentum (kept for the whole tensor; it is elementwise), the same Newton–Schulz iteration in
+the same ``ns_dtype`` and the same shape-adjusted learning rate (tested bitwise against that Muon on
+the separate matrices, and in bfloat16 against ``torch.optim.Muon``). Orthogonalizing the
+flattened (E·A, B) matrix instead would couple the experts' updates.
 """
 
 from __future__ import annotations
@@ -16,20 +16,15 @@ from typing import Any
 
 import torch
 
-# torch's Muon helpers (torch.optim._muon), so that a slice gets exactly torch.optim.Muon's update
-from torch.optim._muon import (
-    DEFAULT_A,
-    DEFAULT_B,
-    DEFAULT_C,
-    DEFAULT_NS_STEPS,
-    EPS,
-    _adjust_lr,
-    _zeropower_via_newtonschulz,
-)
+# torch's LR adjustment (torch.optim._muon), so that a slice gets exactly Muon's update
+from torch.optim._muon import _adjust_lr
+
+from nobubble.optim.muon import momentum_direction, orthogonalize
 
 
 class ExpertMuon(torch.optim.Optimizer):
-    """``torch.optim.Muon``'s update on each matrix ``p[e]`` of 3-D parameters ``p``."""
+    """Muon's update on each matrix ``p[e]`` of 3-D parameters ``p``, orthogonalized in
+    ``ns_dtype`` (an attribute, as :class:`~nobubble.optim.muon.Muon`'s)."""
 
     def __init__(
         self,
@@ -39,6 +34,7 @@ class ExpertMuon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -53,6 +49,7 @@ class ExpertMuon(torch.optim.Optimizer):
                 if p.ndim != 3:
                     shape = tuple(p.shape)
                     raise ValueError(f"ExpertMuon takes (experts, rows, columns) tensors: {shape}")
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -62,12 +59,9 @@ class ExpertMuon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = momentum_direction(p.grad, buf, momentum, group["nesterov"])
                 adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape[1:])
                 p.mul_(1 - lr * decay)
                 for expert in range(p.shape[0]):
-                    ortho = _zeropower_via_newtonschulz(
-                        update[expert], (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
-                    )
+                    ortho = orthogonalize(update[expert], self.ns_dtype)
                     p[expert].add_(ortho, alpha=-adjusted)

@@ -15,6 +15,7 @@ import torch
 from nobubble.config import TrainConfig
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 from nobubble.optim.expert_muon import ExpertMuon
+from nobubble.optim.muon import Muon, ns_dtype
 from nobubble.optim.param_groups import Kind, param_groups
 
 Groups = list[dict[str, Any]]
@@ -43,19 +44,22 @@ def _nadamw(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 def _muon(groups: Groups, cfg: TrainConfig) -> CompositeOptimizer:
     """Muon on the hidden matrices and on every expert's matrix, AdamW on embeddings, head,
-    routers and gains; same ``lr`` for all."""
+    routers and gains; same ``lr`` for all. Newton–Schulz runs in ``muon_ns_dtype`` resolved
+    for the parameters' device (the same on every rank: it depends on the device type only)."""
     hidden = [g for g in groups if g["kind"] == Kind.HIDDEN]
     experts = [g for g in groups if g["kind"] == Kind.EXPERT]
     rest = [g for g in groups if g["kind"] not in (Kind.HIDDEN, Kind.EXPERT)]
+    _, first = groups[0]["params"][0]
     muon_args = {
         "lr": cfg.lr,
         "momentum": cfg.momentum,
         "nesterov": cfg.nesterov,
         "adjust_lr_fn": cfg.muon_adjust_lr,
+        "ns_dtype": ns_dtype(cfg.muon_ns_dtype, first.device),
     }
     parts: list[torch.optim.Optimizer] = []
     if hidden:
-        parts.append(torch.optim.Muon(hidden, **muon_args))
+        parts.append(Muon(hidden, **muon_args))
     if experts:
         parts.append(ExpertMuon(experts, **muon_args))
     if rest:
@@ -141,7 +145,7 @@ _ADAM = ("beta1", "beta2", "eps")
 # tests/test_optim_registry.py holds this against what building each optimizer really reads
 _SETTINGS_READ: dict[str, tuple[str, ...]] = {
     "adamw": _ADAM,
-    "muon": (*_ADAM, "momentum", "nesterov", "muon_adjust_lr"),
+    "muon": (*_ADAM, "momentum", "nesterov", "muon_adjust_lr", "muon_ns_dtype"),
     "lion": ("beta1", "beta2"),
     "adan": (*_ADAM, "beta3"),
     "soap": _ADAM,

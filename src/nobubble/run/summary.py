@@ -13,6 +13,7 @@ from nobubble.flops import Utilization
 from nobubble.hf.export import unexportable
 from nobubble.interrupt import Interrupted
 from nobubble.model.presets import ModelConfig
+from nobubble.optim.muon import ns_dtype
 from nobubble.provenance import provenance
 from nobubble.resume import resume_command
 from nobubble.run.errors import NonFiniteError
@@ -62,7 +63,7 @@ def run_summary(
 ) -> dict:
     """summary.json: why the run stopped, its final evaluation (that of the last step, for a
     finished run; the last one there was, for a run stopped early), throughput, MFU, times and
-    memory."""
+    memory (and the dtype of Muon's Newton–Schulz)."""
     elapsed = log.elapsed()
     rate = log.tokens_per_s()
     summary = {
@@ -88,6 +89,9 @@ def run_summary(
             summary["last_eval"] = {"step": step, "val_loss": val_loss, "val_bpb": val_bpb}
     if usage.peak_tflops is not None:
         summary |= {"peak_tflops": usage.peak_tflops, "mfu": usage.mfu(rate)}
+    if log.cfg.optim == "muon":  # what muon_ns_dtype resolved to (auto: by the device type)
+        resolved = ns_dtype(log.cfg.muon_ns_dtype, engine.device)
+        summary["muon_ns_dtype"] = str(resolved).removeprefix("torch.")
     if resumed_at:
         summary["resumed_at_step"] = resumed_at
     if stages:
