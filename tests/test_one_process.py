@@ -5,12 +5,14 @@ import copy
 import pytest
 import torch
 
+from nobubble.cli import main
 from nobubble.config import TrainConfig
 from nobubble.configure import resolve_config
 from nobubble.model.layers import build_model, lm_loss
 from nobubble.one_process import OneProcessEngine
 from nobubble.optim.lr_schedule import lr_at, set_lr
 from nobubble.update import build_stage_optimizer
+from tests.pipeline_helpers import SMALL, metrics
 
 STEPS = 5
 
@@ -146,3 +148,17 @@ def test_2bw_and_sync_differ(tiny_mc):
     delayed_losses, _ = run_engine(config(schedule="2bw"), tiny_mc, data)
     assert sync_losses[0] == delayed_losses[0]  # both at w[0]
     assert all(a != b for a, b in zip(sync_losses[1:], delayed_losses[1:], strict=True))
+
+
+def test_dp_in_one_process_says_it_is_the_same_run(tmp_path, capsys):
+    """The one-process engine has nothing to split: dp > 1 there trains what the replicas train
+    together, and it says so (a run can change dp on resume in either launcher)."""
+    args = [*SMALL, "steps=1", "eval_every=0", "batch_size=4", "microbatches=2"]
+    assert main(["train", "--out", str(tmp_path / "dp2"), "--no-progress", *args, "dp=2"]) == 0
+    err = capsys.readouterr().err
+    assert "dp=2 in one process: the one-process engine computes every microbatch whole" in err
+    assert main(["train", "--out", str(tmp_path / "dp1"), "--no-progress", *args]) == 0
+    assert "in one process" not in capsys.readouterr().err
+    assert (
+        metrics(tmp_path / "dp2")[-1]["train_loss"] == metrics(tmp_path / "dp1")[-1]["train_loss"]
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -16,6 +17,15 @@ from nobubble.one_process import OneProcessEngine
 T = TypeVar("T")
 
 
+def dp_note(dp: int) -> str:
+    """What ``dp`` means in one process: nothing to split, the same run."""
+    return (
+        f"nobubble: note: dp={dp} in one process: the one-process engine computes every "
+        f"microbatch whole, which is what {dp} replicas compute together (equal up to the order "
+        "of summation, docs/pipeline.md); launch stages x dp processes with torchrun to split it"
+    )
+
+
 class LocalLauncher:
     """The setup of a run in this process alone (:class:`nobubble.run.setup.Launcher`)."""
 
@@ -26,6 +36,8 @@ class LocalLauncher:
     def __init__(self, cfg: TrainConfig) -> None:
         configure_torch(cfg)
         self.device = resolve_device(cfg.device)
+        if cfg.dp > 1:
+            print(dp_note(cfg.dp), file=sys.stderr, flush=True)
 
     def from_leader(self, make: Callable[[], T]) -> T:
         return make()
