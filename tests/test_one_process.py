@@ -1,6 +1,7 @@
-"""The single-process engine on the real model, against plain PyTorch loops written out here."""
+"""The one-process engine on the real model, against plain PyTorch loops written out here."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -162,3 +163,15 @@ def test_dp_in_one_process_says_it_is_the_same_run(tmp_path, capsys):
     assert (
         metrics(tmp_path / "dp2")[-1]["train_loss"] == metrics(tmp_path / "dp1")[-1]["train_loss"]
     )
+
+
+def test_a_flops_partition_is_saved_as_the_split_it_resolved_to(tmp_path):
+    """partition=flops needs the vocabulary: the run resolves it into stage_layers once the
+    tokenizer is known and config.json holds the split, so a resume reads the split itself."""
+    run = tmp_path / "r"
+    args = [*SMALL, "steps=2", "eval_every=0", "stages=2", "schedule=2bw", "microbatches=2"]
+    assert main(["train", "--out", str(run), "--no-progress", *args, "partition=flops"]) == 0
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["partition"] == "flops" and sum(saved["stage_layers"]) == 4
+    assert main(["train", "--resume", str(run), "steps=3", "--no-progress"]) == 0
+    assert json.loads((run / "config.json").read_text())["stage_layers"] == saved["stage_layers"]

@@ -110,6 +110,14 @@ _WANDB = ReadWhen(
     lambda cfg, _: f"logger={cfg.logger}",
 )
 
+def _split_by_rule(cfg: TrainConfig) -> bool:
+    return cfg.stage_layers is None and ParallelLayout.of(cfg).model_stages > 1
+
+
+def _split(cfg: TrainConfig) -> str:
+    return f"stage_layers={cfg.stage_layers}" if cfg.stage_layers else "one model stage"
+
+
 READ_WHEN: dict[str, ReadWhen] = {
     **dict.fromkeys(MOE_SETTINGS, _MOE),
     "data_field": _data_is(".jsonl, .parquet or hf:NAME", (".jsonl", ".parquet"), hf=True),
@@ -133,14 +141,18 @@ READ_WHEN: dict[str, ReadWhen] = {
     ),
     "p2p_timeout_s": _TORCHRUN,
     "p2p_routes": _TORCHRUN,
+    "partition": ReadWhen(
+        "the blocks are split over several model stages by a rule (stage_layers not given)",
+        lambda cfg, _: _split_by_rule(cfg),
+        lambda cfg, _: _split(cfg),
+    ),
     **dict.fromkeys(
         ("embed_cost", "head_cost"),
         ReadWhen(
-            "the blocks are split over several model stages by cost (stage_layers not given)",
-            lambda cfg, _: cfg.stage_layers is None and ParallelLayout.of(cfg).model_stages > 1,
-            lambda cfg, _: (
-                f"stage_layers={cfg.stage_layers}" if cfg.stage_layers else "one model stage"
-            ),
+            "the blocks are split over several model stages by cost in blocks (stage_layers "
+            "not given, partition=blocks)",
+            lambda cfg, _: _split_by_rule(cfg) and cfg.partition == "blocks",
+            lambda cfg, _: "partition=flops" if _split_by_rule(cfg) else _split(cfg),
         ),
     ),
     "name": ReadWhen(

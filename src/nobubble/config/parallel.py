@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from nobubble.config.fields import NON_NEGATIVE, POSITIVE, setting
 
 P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.routes
+PARTITIONS = ("blocks", "flops")  # nobubble.model.partition
 
 
 @dataclass
@@ -43,6 +44,14 @@ class ParallelSettings:
         "tag) | per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | "
         "auto (shared on gloo, per-edge otherwise)",
         choices=P2P_ROUTES,
+    )
+    partition: str = setting(
+        "blocks",
+        "how the blocks are split over the model stages when stage_layers is not given: blocks "
+        "(the embedding and the head weigh embed_cost and head_cost blocks) or flops (each part "
+        "by its training FLOPs, resolved into stage_layers once the tokenizer is known and saved "
+        "in config.json)",
+        choices=PARTITIONS,
     )
     embed_cost: float = setting(1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE)
     head_cost: float = setting(

@@ -7,10 +7,12 @@ it. This module is the one place that answers "which stage owns this": the split
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nobubble.config import ConfigError, TrainConfig
+from nobubble.flops import block_flops, head_flops
 from nobubble.layout import ParallelLayout
 from nobubble.model.presets import ModelConfig
 
@@ -101,6 +103,25 @@ def _balanced_counts(n_layers: int, stages: int, embed: float, head: float) -> l
         k -= choice[s][k]
     counts.append(k)
     return counts[::-1]
+
+
+def flop_costs(mc: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """The embedding's and the head's training FLOPs per token, in blocks (the mean block's):
+    the lookup counts none, the head 6 d V."""
+    block = sum(block_flops(mc, i, seq_len) for i in range(mc.n_layers)) / max(mc.n_layers, 1)
+    return 0.0, head_flops(mc) / block
+
+
+def resolve_partition(cfg: TrainConfig, mc: ModelConfig) -> TrainConfig:
+    """``cfg`` with ``partition=flops`` resolved into explicit ``stage_layers`` for the model
+    ``mc`` (its vocabulary known): the blocks split so the most expensive model stage has the
+    fewest FLOPs, the embedding and the head weighed by theirs. Saved in config.json, so a
+    resumed run, the report and every process read the split, not the rule."""
+    if cfg.partition != "flops" or cfg.stage_layers is not None:
+        return cfg
+    embed, head = flop_costs(mc, cfg.seq_len)
+    specs = partition(mc.n_layers, ParallelLayout.of(cfg).model_stages, embed, head)
+    return dataclasses.replace(cfg, stage_layers=[len(spec.blocks) for spec in specs])
 
 
 def stage_specs(cfg: TrainConfig, mc: ModelConfig) -> list[StageSpec]:

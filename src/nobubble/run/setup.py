@@ -17,6 +17,7 @@ from nobubble.data import DataBundle
 from nobubble.engine import Engine
 from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
 from nobubble.interrupt import stop_on_signals
+from nobubble.model.partition import resolve_partition
 from nobubble.model.presets import ModelConfig
 from nobubble.model.resolve import model_config
 from nobubble.profiling import profiled
@@ -62,6 +63,7 @@ def train_with(
         setup = launcher.from_leader(lambda: open_run(cfg, overwrite, resume, auto_resume))
         data, vocab, val_batches = launcher.build_data(cfg, setup.work)
         mc = model_config(cfg, vocab)
+        cfg = setup.cfg = resolve_partition(cfg, mc)  # partition=flops: the split, saved
         source = init_source(cfg, setup.checkpoint)
         if source:  # the leader checks (it has the tokenizer), every process loads its own
             launcher.from_leader(lambda: check_init_from(source, mc, data.tokenizer))
