@@ -31,18 +31,11 @@ from nobubble.checkpoint.files import (
 )
 from nobubble.config import FIELDS, ConfigError, TrainConfig
 from nobubble.configure import build_config
-from nobubble.files import DamagedFile, read_json_lines, read_json_object
+from nobubble.files import DamagedFile, read_json_lines, read_json_object, write_json_atomic
 from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
 from nobubble.model.resolve import model_config
-from nobubble.runfolder import (
-    NewRun,
-    RunFolder,
-    holds_files,
-    run_path,
-    tidy_leftovers,
-    write_json_atomic,
-)
+from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, tidy_leftovers
 from nobubble.schedules.registry import schedule_spec
 from nobubble.tracking import require_loggers
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.corrections.registry import chosen
-from nobubble.files import DamagedFile, read_json_object
+from nobubble.files import DamagedFile, read_json_object, write_json_atomic
 
 # Why a run stopped, as summary.json records it under "stopped".
 FINISHED = "finished"  # it trained all its steps
@@ -33,17 +33,6 @@ SIGNAL = "signal"  # SIGTERM or Ctrl-C: it saved a checkpoint and can be resumed
 NON_FINITE = "non-finite"  # the non-finite policy stopped it (nonfinite_patience): diverged
 ERROR = "error"  # an error stopped it (its message is in "reason")
 STOPS = (FINISHED, SIGNAL, NON_FINITE, ERROR)
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to ``path`` so that readers see the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def run_name(cfg: TrainConfig) -> str:

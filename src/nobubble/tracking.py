@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nobubble.config import ConfigError, TrainConfig, chosen_loggers
+from nobubble.files import write_json_atomic
 from nobubble.interrupt import Interrupted
-from nobubble.runfolder import write_json_atomic
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module = extra
 TB_FOLDER = "tb"

@@ -110,6 +110,7 @@ _WANDB = ReadWhen(
     lambda cfg, _: f"logger={cfg.logger}",
 )
 
+
 def _split_by_rule(cfg: TrainConfig) -> bool:
     return cfg.stage_layers is None and ParallelLayout.of(cfg).model_stages > 1
 

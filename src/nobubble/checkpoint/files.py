@@ -47,8 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nobubble.checkpoint.named_state import NamedState, decode, encode, from_state_dict
-from nobubble.files import DamagedFile, read_json_object
-from nobubble.runfolder import write_json_atomic
+from nobubble.files import DamagedFile, read_json_object, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 2  # the checkpoint format this version writes (and the newest it reads)

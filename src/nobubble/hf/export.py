@@ -44,11 +44,12 @@ from nobubble.checkpoint.files import (
 from nobubble.config import ConfigError
 from nobubble.configure import build_config
 from nobubble.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+from nobubble.files import write_json_atomic
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
 from nobubble.model.presets import ModelConfig
 from nobubble.model.resolve import model_config
 from nobubble.resume import latest_valid_checkpoint, saved_config, tokenizer_digest
-from nobubble.runfolder import holds_files, write_json_atomic
+from nobubble.runfolder import holds_files
 
 Version = int | Literal["newest"]
 WEIGHTS = "model.safetensors"
