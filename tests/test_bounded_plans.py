@@ -3,7 +3,8 @@
 The pipeline runtime reads each process's actions from a stream (``segment_actions``); these
 tests hold that stream to the whole lists of :func:`nobubble.schedules.generate` (the plan
 before it ran in windows), a stopped run's stream to the shorter run's lists, and the making of
-a run of 10**12 steps to the few actions read of it (counted, not timed).
+a run of 10**12 steps to the few actions read of it (counted, not timed). The training loop's
+pauses (evaluations, checkpoints) are likewise found one at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from nobubble.schedules import (
     rank_actions,
     until_step,
 )
+from nobubble.train import Pause, pauses
 
 # (P, M) shapes every schedule can run: M a multiple of P (interleaved) and at least P (2bw)
 SHAPES = [(1, 1), (1, 3), (2, 2), (2, 4), (3, 3), (3, 6), (4, 4), (4, 8)]
@@ -154,3 +156,26 @@ def test_stopping_a_trillion_step_segment_ends_it(counted):
 
 def test_sync_is_planned_as_1f1b():
     assert ir_schedule(SYNC) == "1f1b"
+
+
+@pytest.mark.parametrize("start", [0, 3, 12])
+@pytest.mark.parametrize(("steps", "eval_every", "checkpoint_every"), [
+    (12, 0, 0), (12, 5, 0), (12, 0, 4), (12, 4, 6), (13, 4, 6), (12, 12, 1), (7, 20, 30),
+])  # fmt: skip
+def test_training_pauses_where_it_evaluates_or_saves(steps, eval_every, checkpoint_every, start):
+    cfg = TrainConfig(steps=steps, eval_every=eval_every, checkpoint_every=checkpoint_every)
+    evals = {s for s in range(1, steps + 1) if s == steps or (eval_every and s % eval_every == 0)}
+    saves = {
+        s
+        for s in range(1, steps + 1)
+        if s == steps or (checkpoint_every and s % checkpoint_every == 0)
+    }
+    expected = [Pause(s, s in evals, s in saves) for s in sorted(evals | saves) if s > start]
+    assert list(pauses(cfg, start)) == expected
+
+
+def test_a_trillion_step_run_finds_its_pauses_as_it_reaches_them():
+    cfg = TrainConfig(steps=10**12, eval_every=1000, checkpoint_every=1500)
+    first = list(itertools.islice(pauses(cfg, 0), 3))
+    assert first == [Pause(1000, True, False), Pause(1500, False, True), Pause(2000, True, False)]
+    assert list(pauses(cfg, 10**12 - 1)) == [Pause(10**12, True, True)]
