@@ -7,18 +7,30 @@ left out and a flushing schedule's fill and drain are in. The data-parallel all-
 rank's FP32 gradients (ring: 2·(dp-1)/dp of the bytes over the all-reduce bandwidth) is exposed
 after a flushing schedule's step; 2bw and pipedream overlap it with the next step's compute (as
 nobubble's runtime does), so only what outlasts the rank's compute shows.
+
+Up to :data:`EXACT_MICROBATCHES` microbatches every one of them is simulated. Above, a step's
+simulated timeline repeats with a period of a few microbatches once it has settled
+(:mod:`nobubble.schedules.steady`), so every figure grows by the same amount per period: the
+model simulates three shapes past that point, one period apart, checks that they grow evenly,
+and extends them to M exactly, at a cost that does not grow with M.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nobubble.config import ConfigError
 from nobubble.model import ModelConfig
 from nobubble.planning.costs import BYTES_PER_WEIGHT_VERSION, BYTES_STATE_PER_PARAMETER, stage_costs
 from nobubble.planning.hardware import Device, Link
 from nobubble.schedules import generate, lower, schedule_spec, simulate
+from nobubble.schedules.steady import Steady, steady_state
 
 GRADIENT_BYTES = 4
+EXACT_MICROBATCHES = 64  # M up to which every microbatch of the steps is simulated
+STEADY_LIMIT = 4096  # the longest step simulated to find where a schedule's timeline repeats
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,122 @@ def shape_problem(plan: Plan, schedule: str) -> str | None:
     return problem
 
 
+@dataclass(frozen=True)
+class _Times:
+    """Per-stage action times of one plan and schedule (seconds)."""
+
+    fwd: list[float]
+    bwd: list[float]
+    wgrad: list[float]
+    comm: float
+
+
+@dataclass(frozen=True)
+class _Simulated:
+    """What the cost model reads off the simulator for M microbatches per step."""
+
+    pipeline_s: float  # the steady step: three steps' makespan minus two's
+    peak_activations: tuple[int, ...]  # per rank
+    stage_weight_versions: tuple[int, ...]  # per stage
+    rank_stages: tuple[tuple[int, ...], ...]
+
+    def growth(self, later: _Simulated) -> tuple[float, tuple[int, ...], tuple[int, ...]]:
+        return (
+            later.pipeline_s - self.pipeline_s,
+            tuple(
+                b - a for a, b in zip(self.peak_activations, later.peak_activations, strict=True)
+            ),
+            tuple(
+                b - a
+                for a, b in zip(
+                    self.stage_weight_versions, later.stage_weight_versions, strict=True
+                )
+            ),
+        )
+
+    def grown(self, growth: tuple[float, Sequence[int], Sequence[int]], times: int) -> _Simulated:
+        """These figures plus ``times`` times ``growth``."""
+        pipeline, activations, versions = growth
+        return _Simulated(
+            self.pipeline_s + times * pipeline,
+            tuple(a + times * d for a, d in zip(self.peak_activations, activations, strict=True)),
+            tuple(v + times * d for v, d in zip(self.stage_weight_versions, versions, strict=True)),
+            self.rank_stages,
+        )
+
+
+def _same_growth(
+    a: tuple[float, Sequence[int], Sequence[int]], b: tuple[float, Sequence[int], Sequence[int]]
+) -> bool:
+    return math.isclose(a[0], b[0], rel_tol=1e-9, abs_tol=1e-15) and a[1:] == b[1:]
+
+
+def _run(plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int, steps: int):
+    actions = generate(schedule, plan.stages, microbatches, steps, chunks)
+    return simulate(
+        lower(actions), fwd=times.fwd, bwd=times.bwd, comm=times.comm, wgrad=times.wgrad
+    )
+
+
+def _simulated(
+    plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int
+) -> _Simulated:
+    """Every microbatch of two and of three steps."""
+    two = _run(plan, schedule, chunks, times, microbatches, 2)
+    three = _run(plan, schedule, chunks, times, microbatches, 3)
+    return _Simulated(
+        three.makespan - two.makespan,
+        tuple(three.peak_activations),
+        tuple(three.stage_weight_versions),
+        tuple(map(tuple, three.rank_stages)),
+    )
+
+
+def _steady(plan: Plan, schedule: str, chunks: int, times: _Times, cool_down: int) -> Steady:
+    """Where one long step of ``schedule`` repeats: steps of doubling length, up to
+    :data:`STEADY_LIMIT` microbatches."""
+    length = 16 * plan.stages * chunks  # a multiple of P, as interleaved schedules need
+    while length <= STEADY_LIMIT:
+        steady = steady_state(_run(plan, schedule, chunks, times, length, 1), cool_down)
+        if steady is not None:
+            return steady
+        length *= 2
+    raise ConfigError(
+        f"--microbatches {plan.microbatches}: a simulated step of {schedule} did not settle "
+        f"into a repeating pattern within {STEADY_LIMIT} microbatches, so its figures for M "
+        f"above {EXACT_MICROBATCHES} cannot be extended from a bounded simulation; use "
+        f"--microbatches {EXACT_MICROBATCHES} or fewer"
+    )
+
+
+def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulated:
+    """The simulator's figures for ``plan.microbatches``: simulated, or extended exactly from
+    three simulated shapes a period apart once the steps repeat (see the module's note)."""
+    m = plan.microbatches
+    if m <= EXACT_MICROBATCHES:
+        return _simulated(plan, schedule, chunks, times, m)
+    cool_down = 4 * plan.stages * chunks  # microbatches whose actions a step's end reorders
+    steady = _steady(plan, schedule, chunks, times, cool_down)
+    # interleaved schedules take M in multiples of P: so do the shapes simulated
+    period = math.lcm(steady.period, plan.stages) if chunks > 1 else steady.period
+    base = steady.settled + cool_down + period
+    base += (m - base) % period
+    if m <= base + 2 * period:
+        return _simulated(plan, schedule, chunks, times, m)
+    first, second, third = (
+        _simulated(plan, schedule, chunks, times, base + i * period) for i in range(3)
+    )
+    growth = first.growth(second)
+    if not _same_growth(growth, second.growth(third)):
+        raise ConfigError(
+            f"--microbatches {m}: {schedule}'s simulated steps of {base}, {base + period} and "
+            f"{base + 2 * period} microbatches do not grow evenly, so its figures for M above "
+            f"{EXACT_MICROBATCHES} cannot be extended from them; use --microbatches "
+            f"{EXACT_MICROBATCHES} or fewer"
+        )
+    return third.grown(growth, (m - base) // period - 2)
+
+
 def predict(plan: Plan, schedule: str) -> Prediction:
     spec = schedule_spec(schedule)
     chunks = plan.chunks if spec.interleaved else 1
@@ -74,14 +202,9 @@ def predict(plan: Plan, schedule: str) -> Prediction:
     bwd = [2 * f for f in fwd]
     wgrad = [c.weight_flops / flops_per_s for c in costs]
     comm = plan.p2p.latency_us * 1e-6 + costs[0].message_bytes / (plan.p2p.gb_per_s * 1e9)
-
-    def run(steps: int):
-        actions = generate(schedule, plan.stages, plan.microbatches, steps, chunks)
-        return simulate(lower(actions), fwd=fwd, bwd=bwd, comm=comm, wgrad=wgrad)
-
-    two, three = run(2), run(3)
-    pipeline_s = three.makespan - two.makespan
-    ranks = three.rank_stages
+    simulated = _figures(plan, schedule, chunks, _Times(fwd, bwd, wgrad, comm))
+    pipeline_s = simulated.pipeline_s
+    ranks = simulated.rank_stages
     busy = [plan.microbatches * sum(fwd[s] + bwd[s] for s in stages) for stages in ranks]
     exposed = 0.0
     if plan.dp > 1:  # pipedream updates, and so all-reduces, after every microbatch
@@ -98,13 +221,13 @@ def predict(plan: Plan, schedule: str) -> Prediction:
         weights = sum(
             costs[s].parameters
             * (
-                BYTES_PER_WEIGHT_VERSION * three.stage_weight_versions[s]
+                BYTES_PER_WEIGHT_VERSION * simulated.stage_weight_versions[s]
                 + BYTES_STATE_PER_PARAMETER
             )
             for s in stages
         )
         per_activation = sum(costs[s].activation_bytes for s in stages) / len(stages)
-        memory.append((weights + three.peak_activations[r] * per_activation) / 1e9)
+        memory.append((weights + simulated.peak_activations[r] * per_activation) / 1e9)
     return Prediction(
         schedule=schedule,
         step_s=step_s,
