@@ -237,3 +237,22 @@ def test_a_schedule_that_does_not_settle_names_the_largest_m(monkeypatch):
     monkeypatch.setattr(predict_module, "STEADY_LIMIT", 8)  # below the first step simulated
     with pytest.raises(ConfigError, match="use --microbatches 64 or fewer"):
         predict(plan(microbatches=100), "1f1b")
+
+
+def test_a_shape_no_schedule_can_run_says_so_not_that_none_fits(capsys):
+    assert cli("--preset", "tiny", "--stages", "1000") == 1
+    out = capsys.readouterr().out
+    assert "| schedule |" not in out  # no empty table
+    assert out.count("not predicted: ") == len(SCHEDULE_NAMES)
+    assert out.splitlines()[-1] == (
+        "no schedule could be predicted for P=1000, M=16: none can run this shape (each one's "
+        "reason is above)"
+    )
+    assert "fits" not in out
+
+
+def test_an_unwritable_png_is_refused_before_the_grid_is_computed(tmp_path, capsys):
+    png = tmp_path / "missing" / "grid.png"
+    with pytest.raises(ConfigError, match=f"--png {png}: folder .* does not exist"):
+        cli("--grid", "4", "--png", str(png))
+    assert capsys.readouterr().out == ""  # no table first
