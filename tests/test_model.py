@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from nobubble.config import ConfigError, TrainConfig
+from nobubble.config import ConfigError, TrainConfig, build_config
 from nobubble.model import (
     PRESETS,
     Stage,
@@ -148,6 +148,24 @@ def test_explicit_partition_and_its_errors():
         partition(4, 3, stage_layers=[2, 0, 2])
     with pytest.raises(ConfigError, match="at most"):
         partition(2, 5)
+
+
+def test_too_many_stages_name_the_most_the_blocks_can_fill():
+    """Every stage but the first and the last needs a block: n blocks fill n + 2 stages."""
+    assert [len(s.blocks) for s in partition(1, 3)] == [0, 1, 0]
+    with pytest.raises(ConfigError, match=r"cannot split 1 blocks over 4 stages: .* at most 3 "):
+        partition(1, 4)
+
+
+def test_interleaving_says_its_stages_are_stages_times_chunks():
+    settings = {"schedule": "interleaved-1f1b", "stages": 2, "microbatches": 2, "n_layers": 1}
+    with pytest.raises(ConfigError) as refused:
+        build_config(settings)
+    assert str(refused.value) == (
+        "interleaved-1f1b cuts the model into stages x chunks = 2 x 2 = 4 stages, and cannot "
+        "split 1 blocks over 4 stages: every stage but the first and the last needs a block, so "
+        "at most 3 stages; use fewer stages or more blocks (n_layers), or fewer chunks"
+    )
 
 
 def test_vocab_size_and_norm_eps_override_the_preset_and_a_too_small_vocabulary_is_refused():

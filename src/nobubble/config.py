@@ -574,7 +574,15 @@ def _check_model(cfg: TrainConfig) -> None:
 
     mc = model_config(cfg, tokenizer_vocab=1)
     stages = cfg.model_stages()
-    partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+    try:
+        partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+    except ConfigError as exc:
+        if cfg.stage_chunks() == 1:
+            raise
+        raise ConfigError(
+            f"{cfg.schedule} cuts the model into stages x chunks = {cfg.stages} x "
+            f"{cfg.stage_chunks()} = {stages} stages, and {exc}, or fewer chunks"
+        ) from None
     if mc.tie_embeddings and stages > 1 and cfg.schedule != SYNC:
         spec, last = schedule_spec(cfg.schedule), stages - 1
         if spec.delay(0, stages) != spec.delay(last, stages):
