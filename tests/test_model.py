@@ -55,6 +55,22 @@ def test_bad_head_counts_are_refused():
         model_config(TrainConfig(n_heads=3), tokenizer_vocab=257)
 
 
+def test_rotary_tables_follow_the_sequences_run_not_max_seq_len(tiny_mc):
+    """A model of max_seq_len 10**6 makes its tables for the sequences it runs (not a million
+    rows up front: 10**9 would be gigabytes), with the very rows a table of any length has."""
+    mc = dataclasses.replace(tiny_mc, max_seq_len=10**6)
+    stage = Stage(mc, StageSpec(0, range(mc.n_layers), True, True))
+    assert stage.rope_cos.numel() == 0
+    x = torch.randint(0, mc.vocab_size, (2, 8))
+    out = stage(x)
+    assert stage.rope_cos.shape == (8, mc.head_dim // 2)
+    cos, sin = rope_tables(mc.head_dim, 64, mc.rope_theta)
+    assert torch.equal(stage.rope(5)[0], cos[:5]) and torch.equal(stage.rope(5)[1], sin[:5])
+    assert stage.rope_cos.shape[0] == 8  # shorter sequences reuse the tables
+    stage.rope(16)
+    assert torch.equal(stage.rope_cos, cos[:16]) and torch.equal(stage(x), out)
+
+
 def test_stages_run_in_sequence_equal_the_full_model(tiny_mc):
     full = build_model(tiny_mc, seed=3)
     specs = partition(tiny_mc.n_layers, 3)
