@@ -68,6 +68,7 @@ def _number(x: float) -> str:
 POSITIVE = Range(0, low_open=True)
 NON_NEGATIVE = Range(0)
 FRACTION = Range(0, 1, high_open=False)  # [0, 1]
+MAX_THREADS = 1024  # threads=: more than any machine's cores (the OS would refuse the threads)
 DECAY = Range(0, 1)  # [0, 1): a decay of 1 never forgets (and Adam divides by 1 - beta^t)
 
 
@@ -248,7 +249,9 @@ class TrainConfig:
     name: str | None = _opt(None, "run name (default: derived from the settings)")
     device: str = _opt("auto", "auto | cpu | cuda")
     dtype: str = _opt("float32", "float32 | bfloat16 (autocast for matmuls)")
-    threads: int = _opt(0, "torch CPU threads; 0 keeps torch's default", NON_NEGATIVE)
+    threads: int = _opt(  # each is an OS thread, made at the first parallel operation
+        0, "torch CPU threads; 0 keeps torch's default", Range(0, MAX_THREADS, high_open=False)
+    )
     progress: bool = _opt(True, "show a progress bar")
     logger: str = _opt(
         "none", "loggers beside metrics.jsonl: none | tensorboard | wandb | tensorboard,wandb"

@@ -1,4 +1,6 @@
-"""Plans made as they are run: a schedule's actions cost what is read of them, never the whole run.
+"""Bounded work: what an integer setting sizes is made as it is used, or refused past a limit.
+
+Plans made as they are run: a schedule's actions cost what is read of them, never the whole run.
 
 The pipeline runtime reads each process's actions from a stream (``segment_actions``); these
 tests hold that stream to the whole lists of :func:`nobubble.schedules.generate` (the plan
@@ -14,7 +16,7 @@ import itertools
 
 import pytest
 
-from nobubble.config import SCHEDULES, SYNC, TrainConfig
+from nobubble.config import SCHEDULES, SYNC, ConfigError, TrainConfig, build_config
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.runtime import RECV_AHEAD, _Plan, ir_schedule, segment_actions
@@ -179,3 +181,11 @@ def test_a_trillion_step_run_finds_its_pauses_as_it_reaches_them():
     first = list(itertools.islice(pauses(cfg, 0), 3))
     assert first == [Pause(1000, True, False), Pause(1500, False, True), Pause(2000, True, False)]
     assert list(pauses(cfg, 10**12 - 1)) == [Pause(10**12, True, True)]
+
+
+def test_threads_are_bounded_before_any_is_made():
+    """Each torch thread is an OS thread made at the first parallel operation: a million would
+    be refused by the OS mid-run; the setting is refused first."""
+    with pytest.raises(ConfigError, match=r"threads must be in \[0, 1024\], got 1000000"):
+        build_config({"threads": 1000000})
+    assert build_config({"threads": 1024}).threads == 1024
