@@ -17,6 +17,11 @@ import itertools
 import pytest
 
 from nobubble.config import SCHEDULES, SYNC, ConfigError, TrainConfig, build_config
+from nobubble.data import build
+from nobubble.data.build import build_from_source
+from nobubble.data.errors import DataError
+from nobubble.data.sources import HFDataset
+from nobubble.data.tokenizer import ByteTokenizer
 from nobubble.delay import gradient_version, stage_delays
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.runtime import RECV_AHEAD, _Plan, ir_schedule, segment_actions
@@ -189,3 +194,12 @@ def test_threads_are_bounded_before_any_is_made():
     with pytest.raises(ConfigError, match=r"threads must be in \[0, 1024\], got 1000000"):
         build_config({"threads": 1000000})
     assert build_config({"threads": 1024}).threads == 1024
+
+
+def test_a_streamed_validation_set_past_memory_is_refused_before_reading(monkeypatch):
+    """A streamed dataset is read for every validation token before training: 10**9 batches
+    would read the stream's whole validation side into memory."""
+    monkeypatch.setattr(build, "iter_records", None)  # the stream is never opened
+    cfg = TrainConfig(data="hf:org/name", eval_batches=10**9)
+    with pytest.raises(DataError, match=r"= 4,096,000,000,000 validation tokens, .* at most"):
+        build_from_source(HFDataset("org/name", None, "text"), cfg, None, ByteTokenizer())
