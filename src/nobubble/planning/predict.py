@@ -8,8 +8,8 @@ rank's FP32 gradients (ring: 2·(dp-1)/dp of the bytes over the all-reduce bandw
 after a flushing schedule's step; 2bw and pipedream overlap it with the next step's compute (as
 nobubble's runtime does), so only what outlasts the rank's compute shows.
 
-Up to :data:`EXACT_MICROBATCHES` microbatches every one of them is simulated. Above, a step's
-simulated timeline repeats with a period of a few microbatches once it has settled
+Up to :data:`EXACT_MICROBATCHES` microbatches (or 40·P) every one of them is simulated. Above,
+a step's simulated timeline repeats with a period of a few microbatches once it has settled
 (:mod:`nobubble.schedules.steady`), so every figure grows by the same amount per period: the
 model simulates three shapes past that point, one period apart, checks that they grow evenly,
 and extends them to M exactly, at a cost that does not grow with M.
@@ -29,7 +29,10 @@ from nobubble.schedules import generate, lower, schedule_spec, simulate
 from nobubble.schedules.steady import Steady, steady_state
 
 GRADIENT_BYTES = 4
-EXACT_MICROBATCHES = 64  # M up to which every microbatch of the steps is simulated
+# M up to which every microbatch is simulated: the larger of these. Beyond, extending three
+# shapes of about 10·P microbatches (their period found in one step of 16·P) costs less.
+EXACT_MICROBATCHES = 64
+EXACT_PER_STAGE = 40
 STEADY_LIMIT = 4096  # the longest step simulated to find where a schedule's timeline repeats
 
 
@@ -148,10 +151,15 @@ def _simulated(
     )
 
 
+def _simulated_up_to(plan: Plan) -> int:
+    """The largest M simulated microbatch by microbatch."""
+    return max(EXACT_MICROBATCHES, EXACT_PER_STAGE * plan.stages)
+
+
 def _steady(plan: Plan, schedule: str, chunks: int, times: _Times, cool_down: int) -> Steady:
     """Where one long step of ``schedule`` repeats: steps of doubling length, up to
     :data:`STEADY_LIMIT` microbatches."""
-    length = 16 * plan.stages * chunks  # a multiple of P, as interleaved schedules need
+    length = 16 * plan.stages  # a multiple of P, as interleaved schedules need
     while length <= STEADY_LIMIT:
         steady = steady_state(_run(plan, schedule, chunks, times, length, 1), cool_down)
         if steady is not None:
@@ -159,9 +167,9 @@ def _steady(plan: Plan, schedule: str, chunks: int, times: _Times, cool_down: in
         length *= 2
     raise ConfigError(
         f"--microbatches {plan.microbatches}: a simulated step of {schedule} did not settle "
-        f"into a repeating pattern within {STEADY_LIMIT} microbatches, so its figures for M "
-        f"above {EXACT_MICROBATCHES} cannot be extended from a bounded simulation; use "
-        f"--microbatches {EXACT_MICROBATCHES} or fewer"
+        f"into a repeating pattern within {STEADY_LIMIT} microbatches, so its figures cannot "
+        f"be extended from a bounded simulation; use --microbatches {_simulated_up_to(plan)} "
+        "or fewer (simulated microbatch by microbatch)"
     )
 
 
@@ -169,9 +177,11 @@ def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulate
     """The simulator's figures for ``plan.microbatches``: simulated, or extended exactly from
     three simulated shapes a period apart once the steps repeat (see the module's note)."""
     m = plan.microbatches
-    if m <= EXACT_MICROBATCHES:
+    if m <= _simulated_up_to(plan):
         return _simulated(plan, schedule, chunks, times, m)
-    cool_down = 4 * plan.stages * chunks  # microbatches whose actions a step's end reorders
+    # the last microbatches, whose actions a step's end reorders: those within a warm-up (at
+    # most 2P forwards ahead, zb-h2) and, interleaved, their group of P
+    cool_down = 3 * plan.stages + 2
     steady = _steady(plan, schedule, chunks, times, cool_down)
     # interleaved schedules take M in multiples of P: so do the shapes simulated
     period = math.lcm(steady.period, plan.stages) if chunks > 1 else steady.period
@@ -186,9 +196,9 @@ def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulate
     if not _same_growth(growth, second.growth(third)):
         raise ConfigError(
             f"--microbatches {m}: {schedule}'s simulated steps of {base}, {base + period} and "
-            f"{base + 2 * period} microbatches do not grow evenly, so its figures for M above "
-            f"{EXACT_MICROBATCHES} cannot be extended from them; use --microbatches "
-            f"{EXACT_MICROBATCHES} or fewer"
+            f"{base + 2 * period} microbatches do not grow evenly, so its figures cannot be "
+            f"extended from them; use --microbatches {_simulated_up_to(plan)} or fewer "
+            "(simulated microbatch by microbatch)"
         )
     return third.grown(growth, (m - base) // period - 2)
 

@@ -16,7 +16,6 @@ so the peer gets it as early as possible. A stage sends activations to the next 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 
 from nobubble.schedules.ir import (
@@ -30,7 +29,7 @@ from nobubble.schedules.ir import (
 
 
 def _comm(action: Action, kind: ActionKind, peer: int) -> Action:
-    return dataclasses.replace(action, kind=kind, peer=peer)
+    return Action(kind, action.stage, action.microbatch, action.version, action.step, peer)
 
 
 def lower_rank(
