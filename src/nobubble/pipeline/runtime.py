@@ -24,7 +24,9 @@ the first stage's forwards of that step anyway: the all-reduce costs no bubble.
 
 Versions follow :mod:`nobubble.delay` for the global step, so a run cut into segments (for
 evaluations and checkpoints) computes exactly what an uncut run computes; for a segment that
-starts the run the IR's own versions are checked against that rule before anything runs.
+starts the run the IR's own versions are checked against that rule as each action is planned.
+A process plans its actions as it runs them, a few ahead (:class:`_Plan`), never a whole
+segment up front: a segment of any length starts at once and holds flat memory.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ class _Plan:
     def stop_at(self, step: int) -> None:
         """Run no action of ``step`` or later: what remains is the cool-down of a segment that
         ends at ``step`` (:func:`nobubble.schedules.until_step`)."""
-        self.actions = until_step(itertools.chain(list(self.window), self.actions), step)
+        ahead = list(self.window)  # a copy: the chain reads it after the window is cleared
+        self.actions = until_step(itertools.chain(ahead, self.actions), step)
         self.window.clear()
 
 
