@@ -18,14 +18,13 @@ and extends them to M exactly, at a cost that does not grow with M.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nobubble.config import ConfigError
 from nobubble.model import ModelConfig
 from nobubble.planning.costs import BYTES_PER_WEIGHT_VERSION, BYTES_STATE_PER_PARAMETER, stage_costs
 from nobubble.planning.hardware import Device, Link
-from nobubble.schedules import generate, lower, schedule_spec, simulate
+from nobubble.schedules import SimResult, generate, lower, schedule_spec, simulate
 from nobubble.schedules.steady import Steady, steady_state
 
 GRADIENT_BYTES = 4
@@ -99,38 +98,44 @@ class _Simulated:
     stage_weight_versions: tuple[int, ...]  # per stage
     rank_stages: tuple[tuple[int, ...], ...]
 
-    def growth(self, later: _Simulated) -> tuple[float, tuple[int, ...], tuple[int, ...]]:
-        return (
-            later.pipeline_s - self.pipeline_s,
-            tuple(
-                b - a for a, b in zip(self.peak_activations, later.peak_activations, strict=True)
-            ),
-            tuple(
-                b - a
-                for a, b in zip(
-                    self.stage_weight_versions, later.stage_weight_versions, strict=True
-                )
-            ),
-        )
-
-    def grown(self, growth: tuple[float, Sequence[int], Sequence[int]], times: int) -> _Simulated:
-        """These figures plus ``times`` times ``growth``."""
-        pipeline, activations, versions = growth
+    def minus(self, earlier: _Simulated) -> _Simulated:
+        """What these figures add to ``earlier``'s (a shape's growth over a period)."""
         return _Simulated(
-            self.pipeline_s + times * pipeline,
-            tuple(a + times * d for a, d in zip(self.peak_activations, activations, strict=True)),
-            tuple(v + times * d for v, d in zip(self.stage_weight_versions, versions, strict=True)),
+            self.pipeline_s - earlier.pipeline_s,
+            _minus(self.peak_activations, earlier.peak_activations),
+            _minus(self.stage_weight_versions, earlier.stage_weight_versions),
             self.rank_stages,
         )
 
+    def plus(self, growth: _Simulated, times: int) -> _Simulated:
+        """These figures and ``times`` times ``growth``."""
+        return _Simulated(
+            self.pipeline_s + times * growth.pipeline_s,
+            _plus(self.peak_activations, growth.peak_activations, times),
+            _plus(self.stage_weight_versions, growth.stage_weight_versions, times),
+            self.rank_stages,
+        )
 
-def _same_growth(
-    a: tuple[float, Sequence[int], Sequence[int]], b: tuple[float, Sequence[int], Sequence[int]]
-) -> bool:
-    return math.isclose(a[0], b[0], rel_tol=1e-9, abs_tol=1e-15) and a[1:] == b[1:]
+    def same_as(self, other: _Simulated) -> bool:
+        """Equal figures, the time to float precision."""
+        return (
+            math.isclose(self.pipeline_s, other.pipeline_s, rel_tol=1e-9, abs_tol=1e-15)
+            and self.peak_activations == other.peak_activations
+            and self.stage_weight_versions == other.stage_weight_versions
+        )
 
 
-def _run(plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int, steps: int):
+def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(a, b, strict=True))
+
+
+def _plus(a: tuple[int, ...], d: tuple[int, ...], times: int) -> tuple[int, ...]:
+    return tuple(x + times * y for x, y in zip(a, d, strict=True))
+
+
+def _run(
+    plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int, steps: int
+) -> SimResult:
     actions = generate(schedule, plan.stages, microbatches, steps, chunks)
     return simulate(
         lower(actions), fwd=times.fwd, bwd=times.bwd, comm=times.comm, wgrad=times.wgrad
@@ -192,15 +197,15 @@ def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulate
     first, second, third = (
         _simulated(plan, schedule, chunks, times, base + i * period) for i in range(3)
     )
-    growth = first.growth(second)
-    if not _same_growth(growth, second.growth(third)):
+    growth = second.minus(first)
+    if not growth.same_as(third.minus(second)):
         raise ConfigError(
             f"--microbatches {m}: {schedule}'s simulated steps of {base}, {base + period} and "
             f"{base + 2 * period} microbatches do not grow evenly, so its figures cannot be "
             f"extended from them; use --microbatches {_simulated_up_to(plan)} or fewer "
             "(simulated microbatch by microbatch)"
         )
-    return third.grown(growth, (m - base) // period - 2)
+    return third.plus(growth, (m - base) // period - 2)
 
 
 def predict(plan: Plan, schedule: str) -> Prediction:
