@@ -69,6 +69,7 @@ def _number(x: float) -> str:
 POSITIVE = Range(0, low_open=True)
 NON_NEGATIVE = Range(0)
 FRACTION = Range(0, 1, high_open=False)  # [0, 1]
+MAX_THREADS = 1024  # threads=: more than any machine's cores (the OS would refuse the threads)
 DECAY = Range(0, 1)  # [0, 1): a decay of 1 never forgets (and Adam divides by 1 - beta^t)
 
 
@@ -432,7 +433,9 @@ class TrainConfig:
     )
     device: str = _opt("auto", "auto | cpu | cuda")
     dtype: str = _opt("float32", "float32 | bfloat16 (autocast for matmuls)")
-    threads: int = _opt(0, "torch CPU threads; 0 keeps torch's default", NON_NEGATIVE)
+    threads: int = _opt(  # each is an OS thread, made at the first parallel operation
+        0, "torch CPU threads; 0 keeps torch's default", Range(0, MAX_THREADS, high_open=False)
+    )
     progress: bool = _opt(True, "show a progress bar")
     logger: str = _opt(
         "none", "loggers beside metrics.jsonl: none | tensorboard | wandb | tensorboard,wandb"
@@ -781,7 +784,15 @@ def _check_model(cfg: TrainConfig) -> None:
 
     mc = model_config(cfg, tokenizer_vocab=1)
     stages = cfg.model_stages()
-    partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+    try:
+        partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+    except ConfigError as exc:
+        if cfg.stage_chunks() == 1:
+            raise
+        raise ConfigError(
+            f"{cfg.schedule} cuts the model into stages x chunks = {cfg.stages} x "
+            f"{cfg.stage_chunks()} = {stages} stages, and {exc}, or fewer chunks"
+        ) from None
     if mc.tie_embeddings and stages > 1 and cfg.schedule != SYNC:
         spec, last = schedule_spec(cfg.schedule), stages - 1
         if spec.delay(0, stages) != spec.delay(last, stages):
