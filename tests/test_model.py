@@ -49,6 +49,22 @@ def test_bad_head_counts_are_refused():
         model_config(TrainConfig(n_heads=3), tokenizer_vocab=257)
 
 
+def test_rotary_tables_follow_the_sequences_run_not_max_seq_len(tiny_mc):
+    """A model of max_seq_len 10**6 makes its tables for the sequences it runs (not a million
+    rows up front: 10**9 would be gigabytes), with the very rows a table of any length has."""
+    mc = dataclasses.replace(tiny_mc, max_seq_len=10**6)
+    stage = Stage(mc, StageSpec(0, range(mc.n_layers), True, True))
+    assert stage.rope_cos.numel() == 0
+    x = torch.randint(0, mc.vocab_size, (2, 8))
+    out = stage(x)
+    assert stage.rope_cos.shape == (8, mc.head_dim // 2)
+    cos, sin = rope_tables(mc.head_dim, 64, mc.rope_theta)
+    assert torch.equal(stage.rope(5)[0], cos[:5]) and torch.equal(stage.rope(5)[1], sin[:5])
+    assert stage.rope_cos.shape[0] == 8  # shorter sequences reuse the tables
+    stage.rope(16)
+    assert torch.equal(stage.rope_cos, cos[:16]) and torch.equal(stage(x), out)
+
+
 def test_stages_run_in_sequence_equal_the_full_model(tiny_mc):
     full = build_model(tiny_mc, seed=3)
     specs = partition(tiny_mc.n_layers, 3)
@@ -142,6 +158,24 @@ def test_explicit_partition_and_its_errors():
         partition(4, 3, stage_layers=[2, 0, 2])
     with pytest.raises(ConfigError, match="at most"):
         partition(2, 5)
+
+
+def test_too_many_stages_name_the_most_the_blocks_can_fill():
+    """Every stage but the first and the last needs a block: n blocks fill n + 2 stages."""
+    assert [len(s.blocks) for s in partition(1, 3)] == [0, 1, 0]
+    with pytest.raises(ConfigError, match=r"cannot split 1 blocks over 4 stages: .* at most 3 "):
+        partition(1, 4)
+
+
+def test_interleaving_says_its_stages_are_stages_times_chunks():
+    settings = {"schedule": "interleaved-1f1b", "stages": 2, "microbatches": 2, "n_layers": 1}
+    with pytest.raises(ConfigError) as refused:
+        build_config(settings)
+    assert str(refused.value) == (
+        "interleaved-1f1b cuts the model into stages x chunks = 2 x 2 = 4 stages, and cannot "
+        "split 1 blocks over 4 stages: every stage but the first and the last needs a block, so "
+        "at most 3 stages; use fewer stages or more blocks (n_layers), or fewer chunks"
+    )
 
 
 def test_vocab_size_and_norm_eps_override_the_preset_and_a_too_small_vocabulary_is_refused():

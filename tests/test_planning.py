@@ -10,10 +10,13 @@ import pytest
 from nobubble.config import ConfigError
 from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
+from nobubble.planning import predict as predict_module
 from nobubble.planning.costs import stage_costs
 from nobubble.planning.grid import grid
 from nobubble.planning.hardware import DEVICES, LINKS
-from nobubble.planning.predict import Plan, predict
+from nobubble.planning.predict import Plan, predict, shape_problem
+from nobubble.planning.shapes import PLANNING_SHAPES
+from nobubble.schedules import SCHEDULE_NAMES, generate
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
 
 SHAPE = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
@@ -166,3 +169,92 @@ def test_plan_grid_prints_a_row_per_shape_and_draws_it(tmp_path, capsys):
 def test_bad_input_is_explained(argv, message):
     with pytest.raises(ConfigError, match=message):
         cli(*argv)
+
+
+def uneven_plan(preset: str, stages: int, gb_per_s: float, microbatches: int) -> Plan:
+    """A planning shape whose stages differ (embedding, head) on a slow link: its steps repeat
+    every few microbatches, not every one."""
+    return Plan(
+        model=dataclasses.replace(PLANNING_SHAPES[preset], vocab_size=256), stages=stages,
+        microbatches=microbatches, microbatch_size=1, seq_len=512, dp=2, device=DEVICES["h100"],
+        mfu=0.4, p2p=dataclasses.replace(LINKS["ib-hdr"], gb_per_s=gb_per_s),
+        allreduce=LINKS["ib-ndr"],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("preset", "stages", "gb_per_s", "microbatches"),
+    [("llama3-8b", 5, 0.5, 150), ("tiny", 4, 0.01, 120)],  # periods of 5 and 1 microbatches
+)
+def test_many_microbatches_are_extended_exactly_from_a_few_simulated(
+    monkeypatch, preset, stages, gb_per_s, microbatches
+):
+    """Past EXACT_MICROBATCHES the figures come from three simulated shapes one period apart,
+    all smaller than M; they are those of simulating every microbatch."""
+    p = uneven_plan(preset, stages, gb_per_s, microbatches)
+    sizes = []
+
+    def recorded(schedule, stages, microbatches, steps, chunks=None):
+        if steps > 1:  # a shape's steps (not the one long step that finds the period)
+            sizes.append(microbatches)
+        return generate(schedule, stages, microbatches, steps, chunks)
+
+    monkeypatch.setattr(predict_module, "generate", recorded)
+    for name in SCHEDULE_NAMES:
+        if shape_problem(p, name):
+            continue
+        monkeypatch.setattr(predict_module, "EXACT_MICROBATCHES", 8)
+        monkeypatch.setattr(predict_module, "EXACT_PER_STAGE", 1)
+        sizes.clear()
+        extended = predict(p, name)
+        assert max(sizes) < microbatches, name
+        monkeypatch.setattr(predict_module, "EXACT_MICROBATCHES", 10**9)
+        simulated = predict(p, name)
+        assert extended.step_s == pytest.approx(simulated.step_s, rel=1e-9), name
+        assert extended.memory_gb == pytest.approx(simulated.memory_gb, rel=1e-12), name
+        assert extended.bubble == pytest.approx(simulated.bubble, rel=1e-9, abs=1e-12), name
+
+
+def test_ten_million_microbatches_simulate_a_bounded_number(monkeypatch, capsys):
+    """`plan --microbatches 10000000` simulates a few thousand microbatches per schedule, not
+    the steps' 10**7 (counted, and refused past a budget instead of hanging)."""
+    simulated = []
+
+    def counted(schedule, stages, microbatches, steps, chunks=None):
+        simulated.append(microbatches * steps)
+        if sum(simulated) > 200_000:
+            raise AssertionError(f"simulated more than 200,000 microbatches: {simulated}")
+        return generate(schedule, stages, microbatches, steps, chunks)
+
+    monkeypatch.setattr(predict_module, "generate", counted)
+    assert cli("--preset", "llama3-8b", "--stages", "4", "--microbatches", "10000000") == 0
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in PIPELINE_SCHEDULES)
+    many = predict(uneven_plan("llama3-8b", 4, 50.0, 10**7), "2bw")
+    few = predict(uneven_plan("llama3-8b", 4, 50.0, 64), "2bw")
+    assert many.bubble < few.bubble  # 2bw's fill and drain are paid once per run
+
+
+def test_a_schedule_that_does_not_settle_names_the_largest_m(monkeypatch):
+    monkeypatch.setattr(predict_module, "STEADY_LIMIT", 8)  # below the first step simulated
+    with pytest.raises(ConfigError, match="use --microbatches 160 or fewer"):  # 40 x 4 stages
+        predict(plan(microbatches=1000), "1f1b")
+
+
+def test_a_shape_no_schedule_can_run_says_so_not_that_none_fits(capsys):
+    assert cli("--preset", "tiny", "--stages", "1000") == 1
+    out = capsys.readouterr().out
+    assert "| schedule |" not in out  # no empty table
+    assert out.count("not predicted: ") == len(PIPELINE_SCHEDULES)
+    assert out.splitlines()[-1] == (
+        "no schedule could be predicted for P=1000, M=16: none can run this shape (each one's "
+        "reason is above)"
+    )
+    assert "fits" not in out
+
+
+def test_an_unwritable_png_is_refused_before_the_grid_is_computed(tmp_path, capsys):
+    png = tmp_path / "missing" / "grid.png"
+    with pytest.raises(ConfigError, match=f"--png {png}: folder .* does not exist"):
+        cli("--grid", "4", "--png", str(png))
+    assert capsys.readouterr().out == ""  # no table first

@@ -190,3 +190,23 @@ def test_the_simulation_reports_its_progress_in_shares_that_add_up_to_one():
     shares: list[float] = []
     simulate(lower(generate("1f1b", 4, 8, 3)), on_progress=shares.append)
     assert len(shares) > 1 and min(shares) >= 0 and sum(shares) == pytest.approx(1.0)
+
+
+def test_a_shape_too_big_to_simulate_and_draw_is_refused_before_any_work(capsys, monkeypatch):
+    monkeypatch.setattr(schedule_cli, "generate", None)  # never reached
+    err = error_line(capsys, "--steps", "1000000000")
+    assert (
+        "2bw: --stages 4 x --microbatches 8 x --steps 1000000000 = 32,000,000,000 forwards" in err
+    )
+    assert f"more than {schedule_cli.MAX_STAGE_MICROBATCHES:,}" in err
+    err = error_line(capsys, "--schedule", "all", "--microbatches", "8", "--steps", "6250")
+    assert "interleaved-1f1b: --stages 4 x 2 chunks x --microbatches 8" in err  # 400,000
+
+
+def test_a_text_grid_too_wide_to_draw_is_refused_before_anything_is_written(tmp_path, capsys):
+    """The grid gives the shortest action a label's width: a tiny one makes it huge."""
+    png = tmp_path / "timeline.png"
+    err = error_line(capsys, "--fwd", "1e-6", "--png", str(png))
+    assert "2bw: the text grid would be " in err and "use --no-grid or --json" in err
+    assert not png.exists()
+    assert cli("--fwd", "1e-6", "--no-grid") == 0

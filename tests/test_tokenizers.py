@@ -108,6 +108,12 @@ def test_bpe_vocab_too_small_is_a_clear_error():
         train_bpe(TRAIN_TEXT, 100)
 
 
+def test_bpe_vocab_too_large_is_refused_before_training_sets_memory_aside():
+    """10**9 entries would have the tokenizers library ask for 70 GB (and abort, uncaught)."""
+    with pytest.raises(DataError, match=r"bpe_vocab_size 1000000000 is too large: .* 1048576"):
+        train_bpe(TRAIN_TEXT, 10**9)
+
+
 def _word_level(vocab: list[str], specials: list[str]) -> HFModel:
     tok = HFModel(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=vocab[0]))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -92,7 +92,16 @@ def _check_model(cfg: TrainConfig) -> None:
     for the vocabulary, which is only known once the tokenizer is read); a tied weight needs one
     delay at both of its uses."""
     mc = model_config(cfg, tokenizer_vocab=1)
-    stages = len(stage_specs(cfg, mc))
+    try:
+        stages = len(stage_specs(cfg, mc))
+    except ConfigError as exc:
+        if cfg.chunks == 1:
+            raise
+        model_stages = ParallelLayout.of(cfg).model_stages
+        raise ConfigError(
+            f"{cfg.schedule} cuts the model into stages x chunks = {cfg.stages} x "
+            f"{cfg.chunks} = {model_stages} stages, and {exc}, or fewer chunks"
+        ) from None
     if mc.tie_embeddings and stages > 1:
         spec, last = schedule_spec(cfg.schedule), stages - 1
         if spec.delay(0, stages) != spec.delay(last, stages):

@@ -18,7 +18,8 @@ from nobubble.model.layers import Stage
 
 def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -> None:
     """Set ``module`` up as ``cfg`` asks: recompute block activations, compile its forward, and
-    give the auxiliary losses of its MoE layers a microbatch's share of the step's loss.
+    give the auxiliary losses of its MoE layers a microbatch's share of the step's loss; its
+    rotary tables are made for the run's ``seq_len`` first.
 
     Compiling compiles the module's call in place (``nn.Module.compile``): parameter names stay
     those of the model, and ``functional_call`` with any weight version runs the compiled code
@@ -26,6 +27,7 @@ def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -
     recompilation).
     """
     module.activation_checkpointing = cfg.activation_checkpointing
+    module.rope(cfg.seq_len)  # the run's rotary tables, before a compiled forward could grow them
     for layer in module.moe_layers():  # its auxiliary loss is scaled as the step's loss is
         layer.loss_scale = 1 / cfg.microbatches
     if cfg.compile:

@@ -131,6 +131,24 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **values})
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """The numbers that size the runs, checked before the first one (``args`` resolved)."""
+    for flag, value, least in (
+        ("--stages", args.stages, 1), ("--microbatches", args.microbatches, 1),
+        ("--dp", args.dp, 1), ("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
+        ("--seq-len", args.seq_len, 1), ("--repeats", args.repeats, 1),
+        ("--warmup-steps", args.warmup_steps, 0), ("--busy-retries", args.busy_retries, 0),
+    ):  # fmt: skip
+        if value < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if args.warmup_steps >= args.steps:
+        raise ConfigError(
+            f"--warmup-steps {args.warmup_steps} leaves none of the {args.steps} steps to time "
+            f"(tokens/s leaves the warm-up steps out); use --warmup-steps {args.steps - 1} or "
+            f"fewer, or --steps {args.warmup_steps + 1} or more"
+        )
+
+
 def selected_variants(spec: str) -> list[Variant]:
     names = [name.strip() for name in spec.split(",") if name.strip()]
     unknown = [name for name in names if name not in VARIANTS]
@@ -248,6 +266,7 @@ def check_device(device: str, stages: int, dp: int = 1) -> None:
 def run(args: argparse.Namespace) -> int:
     args = resolve(args)
     try:
+        check_counts(args)
         variants = selected_variants(args.schedules)
         if args.options:
             variants = with_options(variants, option_sets(args.options))

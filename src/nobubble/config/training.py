@@ -8,6 +8,7 @@ from nobubble.config.fields import NON_NEGATIVE, POSITIVE, Range, setting
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
+MAX_THREADS = 1024  # threads=: more than any machine's cores (the OS would refuse the threads)
 
 
 @dataclass
@@ -20,4 +21,6 @@ class TrainingSettings:
     eval_batches: int = setting(8, "validation batches per evaluation", POSITIVE)
     device: str = setting("auto", "where to train", choices=DEVICES)
     dtype: str = setting("float32", "float32, or bfloat16 (autocast for matmuls)", choices=DTYPES)
-    threads: int = setting(0, "torch CPU threads; 0 keeps torch's default", NON_NEGATIVE)
+    threads: int = setting(  # each is an OS thread, made at the first parallel operation
+        0, "torch CPU threads; 0 keeps torch's default", Range(0, MAX_THREADS, high_open=False)
+    )

@@ -46,6 +46,8 @@ from nobubble.data.tokenizer import (
 )
 
 BPE_STREAM_CHARS = 64 * 2**20  # BPE training text taken from the start of a streamed dataset
+# validation tokens a streamed dataset is read for before training, held in memory (8 GB)
+MAX_STREAM_VAL_TOKENS = 2**30
 
 
 @dataclass
@@ -172,6 +174,7 @@ def _shard_data(
 def _stream_data(
     source: HFDataset, cfg: TrainConfig, run_dir: Path | None, given: Tokenizer | None
 ) -> DataBundle:
+    _check_stream_val_size(cfg)
     train_text = lambda: _stream_train_text(source, cfg)  # noqa: E731
     tokenizer = resolve_tokenizer(cfg, run_dir, train_text, given)
     val = PackedRows(
@@ -179,6 +182,19 @@ def _stream_data(
     )
     train = StreamBatches(source, tokenizer, cfg.seq_len, cfg.batch_size, cfg.val_fraction)
     return _bundle(tokenizer, train, val, cfg, source=source.describe(), train_tokens=None)
+
+
+def _check_stream_val_size(cfg: TrainConfig) -> None:
+    """A streamed dataset is read for every validation token before training: refuse more of
+    them than memory can be expected to hold (a local dataset's are bounded by its size)."""
+    needed = cfg.eval_batches * cfg.batch_size * cfg.seq_len
+    if needed > MAX_STREAM_VAL_TOKENS:
+        raise DataError(
+            f"eval_batches x batch_size x seq_len = {cfg.eval_batches} x {cfg.batch_size} x "
+            f"{cfg.seq_len} = {needed:,} validation tokens, read from the stream and held in "
+            f"memory before training; at most {MAX_STREAM_VAL_TOKENS:,} (2^30, 8 GB): use "
+            "fewer eval_batches"
+        )
 
 
 def _stream_train_text(source: HFDataset, cfg: TrainConfig) -> Iterator[str]:

@@ -25,6 +25,9 @@ from nobubble.data.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS = "<eos>"
+# the tokenizers library sets aside about 70 bytes per entry before it trains (70 GB for 10**9);
+# the largest vocabularies in use have about 256k entries
+MAX_BPE_VOCAB = 2**20
 # End-of-text tokens of common tokenizers, most preferred first (GPT-2/SmolLM2, Llama 3, ...).
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", EOS, "<|eos|>")
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -248,6 +251,11 @@ def train_bpe(texts: Iterator[str] | Iterable[str], vocab_size: int) -> HFTokeni
         raise DataError(
             f"bpe_vocab_size {vocab_size} is too small: a byte-level BPE needs 256 byte tokens "
             "and <eos>; use at least 258 (e.g. 4096)"
+        )
+    if vocab_size > MAX_BPE_VOCAB:
+        raise DataError(
+            f"bpe_vocab_size {vocab_size} is too large: training sets aside memory for every "
+            f"entry before it starts (about 70 bytes each); use at most {MAX_BPE_VOCAB} (2^20)"
         )
     tok = HFTokenizerModel(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

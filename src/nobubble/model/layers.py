@@ -129,10 +129,19 @@ class Stage(nn.Module):
         self.head = nn.Linear(mc.d_model, mc.vocab_size, bias=False) if spec.has_head else None
         if mc.tie_embeddings and self.head is not None:
             self.head.weight = self.embed.weight
-        cos, sin = rope_tables(mc.head_dim, mc.max_seq_len, mc.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        empty = torch.empty(0, mc.head_dim // 2)
+        self.register_buffer("rope_cos", empty, persistent=False)
+        self.register_buffer("rope_sin", empty.clone(), persistent=False)
         init_parameters(self, seed)
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables of the first ``length`` positions, made for the longest sequence
+        seen so far, not for ``max_seq_len`` (which may be far longer than any sequence run).
+        Row i is the same whatever the tables' length."""
+        if self.rope_cos.shape[0] < length:
+            cos, sin = rope_tables(self.mc.head_dim, length, self.mc.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos), sin.to(self.rope_sin)
+        return self.rope_cos[:length], self.rope_sin[:length]
 
     def moe_layers(self) -> list[MoE]:
         """The routed-experts layers of this stage, in block order."""
@@ -149,7 +158,7 @@ class Stage(nn.Module):
         if self.spec.has_embed:
             x = self.embed(x)
         t = x.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        cos, sin = self.rope(t)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks.values():
             x = checkpointed_block(block, x, cos, sin) if recompute else block(x, cos, sin)

@@ -78,7 +78,9 @@ def partition(
 def _balanced_counts(n_layers: int, stages: int, embed: float, head: float) -> list[int]:
     if stages > n_layers + 2 or (stages > 2 and n_layers < stages - 2):
         raise ConfigError(
-            f"cannot split {n_layers} blocks over {stages} stages; use at most {n_layers} stages"
+            f"cannot split {n_layers} blocks over {stages} stages: every stage but the first and "
+            f"the last needs a block, so at most {n_layers + 2} stages; use fewer stages or more "
+            "blocks (n_layers)"
         )
 
     def cost(stage: int, n: int) -> float:

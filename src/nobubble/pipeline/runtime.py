@@ -25,16 +25,20 @@ the first stage's forwards of that step anyway: the all-reduce costs no bubble.
 Versions follow the schedule's delays (:mod:`nobubble.schedules.registry`) for the global step, so
 a run cut into segments (for evaluations and checkpoints) computes exactly what an uncut run
 computes; for a segment that starts the run the IR's own versions are checked against that rule
-before anything runs.
+as each action is planned. A process plans its actions as it runs them, a few ahead
+(:class:`_Plan`), never a whole segment up front: a segment of any length starts at once and
+holds flat memory.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -57,7 +61,14 @@ from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.replicas import PendingReduction, replica_rows
 from nobubble.pipeline.routes import Routes, resolve_routes
 from nobubble.profiling import OFF, action_label, label, labelled
-from nobubble.schedules import Action, ActionKind, generate, lower, schedule_spec
+from nobubble.schedules import (
+    Action,
+    ActionKind,
+    lower_rank,
+    rank_actions,
+    schedule_spec,
+    until_step,
+)
 from nobubble.stage_options import autocast
 from nobubble.versions import gradient_version
 
@@ -65,19 +76,25 @@ RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: 
 RECV_AHEAD = 4  # post a receive this many actions before the action that consumes it
 
 
-def segment_actions(cfg: TrainConfig, pp_rank: int, start: int, stop: int) -> list[Action]:
-    """The lowered actions of the process at pipeline position ``pp_rank`` for steps
-    [start, stop), with global indices and versions."""
+def segment_actions(
+    cfg: TrainConfig, layout: ParallelLayout, start: int, stop: int
+) -> Iterator[Action]:
+    """The lowered actions of this process (``layout``'s pipeline position) for steps
+    [start, stop), with global indices and versions, made as they are read: planning costs a
+    step's actions at a time whatever ``stop`` is."""
     # a step is cfg.microbatches microbatches (pipedream: 1, which the config enforces)
     chunks = cfg.chunks
-    lowered = lower(
-        generate(
-            cfg.schedule, cfg.stages, cfg.microbatches, stop - start, chunks if chunks > 1 else None
-        )
+    planned = rank_actions(
+        cfg.schedule,
+        cfg.stages,
+        cfg.microbatches,
+        stop - start,
+        layout.pp_rank,
+        chunks if chunks > 1 else None,
     )
-    delays = schedule_spec(cfg.schedule).delays(ParallelLayout.of(cfg).model_stages)
-    actions = []
-    for action in lowered[pp_rank]:
+    rank_of = {stage: layout.rank_of(stage) for stage in range(layout.model_stages)}
+    delays = schedule_spec(cfg.schedule).delays(layout.model_stages)
+    for action in lower_rank(planned, rank_of, layout.model_stages - 1):
         step = action.step + start
         # a STEP produces version step+1; F, B and their messages use the delayed version
         delay = delays[action.stage]
@@ -90,10 +107,35 @@ def segment_actions(cfg: TrainConfig, pp_rank: int, start: int, stop: int) -> li
         microbatch = (
             None if action.microbatch is None else action.microbatch + start * cfg.microbatches
         )
-        actions.append(
-            dataclasses.replace(action, step=step, microbatch=microbatch, version=version)
-        )
-    return actions
+        yield dataclasses.replace(action, step=step, microbatch=microbatch, version=version)
+
+
+class _Plan:
+    """A segment's actions, read a few ahead of the one running (to post receives early)."""
+
+    def __init__(self, actions: Iterator[Action]) -> None:
+        self.actions = actions
+        self.window: collections.deque[Action] = collections.deque()
+
+    def ahead(self, count: int) -> list[Action]:
+        """The next ``count`` actions (fewer at the end), the next one to run first."""
+        while len(self.window) < count and (action := next(self.actions, None)) is not None:
+            self.window.append(action)
+        return list(itertools.islice(self.window, count))
+
+    def peek(self) -> Action | None:
+        """The next action to run, or None when the segment is done."""
+        return next(iter(self.ahead(1)), None)
+
+    def pop(self) -> None:
+        self.window.popleft()
+
+    def stop_at(self, step: int) -> None:
+        """Run no action of ``step`` or later: what remains is the cool-down of a segment that
+        ends at ``step`` (:func:`nobubble.schedules.until_step`)."""
+        ahead = list(self.window)  # a copy: the chain reads it after the window is cleared
+        self.actions = until_step(itertools.chain(ahead, self.actions), step)
+        self.window.clear()
 
 
 class PipelineEngine:
@@ -157,26 +199,24 @@ class PipelineEngine:
         steps: what remains is exactly the schedule of the shorter run, cool-down included. A stop
         requested on another rank reaches the leader as that rank's vote (see ``_Segment.clear``).
         """
-        actions = segment_actions(self.cfg, self.layout.pp_rank, self.step, stop)
+        plan = _Plan(segment_actions(self.cfg, self.layout, self.step, stop))
         run = _Segment(self, next_batch, on_step)
         started, waited = time.perf_counter(), self.messenger.waited_s
-        index = 0
-        while index < len(actions):
-            action = actions[index]
+        while (action := plan.peek()) is not None:
             if action.step > run.cleared:  # this stage's first action of the step
                 self.profiler.before_step(action.step)
                 if not run.clear(action.step, should_stop):
-                    actions = actions[:index] + [a for a in actions[index:] if a.step < action.step]
+                    plan.stop_at(action.step)
                     continue
             run.finish_update_before(action)
-            run.post_receives(actions, index)
+            run.post_receives(plan.ahead(RECV_AHEAD))
             began, blocked = time.perf_counter(), self.blocked_s()
             with action_label(action):
                 run.execute(action)
             took = time.perf_counter() - began - (self.blocked_s() - blocked)
             key = (action.stage, action.kind)
             self.action_s[key] = self.action_s.get(key, 0.0) + took
-            index += 1
+            plan.pop()
         run.finish_updates()
         run.count_remaining_votes()
         self.messenger.drain()
@@ -469,8 +509,9 @@ class _Segment:
         for step in sorted(self.votes):
             self.e.peer_stop |= self.stop_voted(step)
 
-    def post_receives(self, actions: list[Action], index: int) -> None:
-        for action in actions[index : index + RECV_AHEAD]:
+    def post_receives(self, actions: list[Action]) -> None:
+        """Post the receives of ``actions`` (the next few to run) in steps known to run."""
+        for action in actions:
             key = (action.kind, action.stage, action.microbatch)
             if action.step > self.cleared:
                 break

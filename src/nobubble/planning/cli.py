@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from nobubble.config import ConfigError
+from nobubble.destinations import check_output_file
 from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
 from nobubble.planning.predict import Plan, Prediction, predict, shape_problem
@@ -161,10 +162,12 @@ def run_grid(args: argparse.Namespace, plan: Plan) -> int:
 
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
+    if args.png:  # before any work: a typo in the path costs a line, not the grid
+        if not args.grid:
+            raise ConfigError("--png draws a --grid; add --grid P,P,...")
+        check_output_file(args.png, "--png")
     if args.grid:
         return run_grid(args, plan)
-    if args.png:
-        raise ConfigError("--png draws a --grid; add --grid P,P,...")
     limit = args.memory_limit_gb or plan.device.memory_gb
     results, skipped = predictions(plan)
     fitting = [p for p in results if p.peak_memory_gb <= limit]
@@ -183,18 +186,28 @@ def run(args: argparse.Namespace) -> int:
             "skipped": skipped,
             "best": best,
         }, indent=2))  # fmt: skip
-        return 0
+        return 0 if results else 1
     print(
         f"{args.preset} on {plan.stages} x {plan.dp} {plan.device.name} (peak "
         f"{plan.device.peak_tflops:g} TFLOP/s at MFU {plan.mfu:g}), M={plan.microbatches} x "
         f"{plan.microbatch_size} x {plan.seq_len} tokens, p2p {plan.p2p.name}, dp all-reduce "
         f"{plan.allreduce.name}"
     )
-    print(table(results, limit))
+    if results:
+        print(table(results, limit))
     for name, why in skipped.items():
         print(f"{name}: not predicted: {why}")
+    print(conclusion(plan, results, limit, best))
+    return 0 if results else 1
+
+
+def conclusion(plan: Plan, results: list[Prediction], limit: float, best: str | None) -> str:
+    """The last line: the best schedule that fits, or why there is none."""
+    if not results:
+        return (
+            f"no schedule could be predicted for P={plan.stages}, M={plan.microbatches}: none "
+            "can run this shape (each one's reason is above)"
+        )
     if best is None:
-        print(f"no schedule fits in {limit:g} GB per GPU")
-    else:
-        print(f"best under {limit:g} GB per GPU: {best}")
-    return 0
+        return f"no schedule fits in {limit:g} GB per GPU"
+    return f"best under {limit:g} GB per GPU: {best}"

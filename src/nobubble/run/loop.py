@@ -6,8 +6,10 @@ a pipeline only drains where something needs the newest weights of every stage.
 
 from __future__ import annotations
 
+import math
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from nobubble.config import TrainConfig, chosen_loggers
 from nobubble.data import DataBundle
@@ -23,16 +25,32 @@ from nobubble.run.summary import run_summary, stops_recorded, summary_line
 from nobubble.runfolder import RunFolder
 
 
-def boundaries(cfg: TrainConfig, start: int) -> tuple[list[int], set[int], set[int]]:
-    """(every step where training pauses, evaluation steps, checkpoint steps) after ``start``."""
-    evals = {cfg.steps}
-    if cfg.eval_every:
-        evals |= set(range(cfg.eval_every, cfg.steps, cfg.eval_every))
-    saves = {cfg.steps}
-    if cfg.checkpoint_every:
-        saves |= set(range(cfg.checkpoint_every, cfg.steps, cfg.checkpoint_every))
-    stops = sorted(s for s in evals | saves if s > start)
-    return stops, evals, saves
+@dataclass(frozen=True)
+class Pause:
+    """A step where training pauses: to evaluate, to save a checkpoint, or both."""
+
+    step: int
+    evaluate: bool
+    save: bool
+
+
+def _every(step: int, every: int) -> int | float:
+    """The next multiple of ``every`` after ``step`` (none when ``every`` is 0)."""
+    return (step // every + 1) * every if every else math.inf
+
+
+def pauses(cfg: TrainConfig, start: int) -> Iterator[Pause]:
+    """Every pause after ``start`` up to the last step (which evaluates and saves), in order,
+    found as training reaches it: a run of any length costs a pause at a time."""
+    step = start
+    while step < cfg.steps:
+        step = int(min(_every(step, cfg.eval_every), _every(step, cfg.checkpoint_every), cfg.steps))
+        last = step == cfg.steps
+        yield Pause(
+            step,
+            evaluate=last or _every(step - 1, cfg.eval_every) == step,
+            save=last or _every(step - 1, cfg.checkpoint_every) == step,
+        )
 
 
 def run_training(
@@ -57,7 +75,6 @@ def run_training(
     token_bytes = data.tokenizer.token_bytes() if data else None
     next_batch = data.train.next_batch if data else None
     val = data.val if data else []
-    stops, evals, saves = boundaries(cfg, engine.step)
     usage = utilization(mc, cfg.seq_len, engine.device, engine.layout.world, cfg.peak_tflops)
     watch_stages = bool(chosen_loggers(cfg))  # the same on every rank: stage_reports is collective
     policy = NonFinitePolicy(cfg.nonfinite_patience)
@@ -74,7 +91,8 @@ def run_training(
     ):
         if engine.step == 0:
             log.on_eval(0, engine.evaluate(val, token_bytes))
-        for stop in stops:
+        for pause in pauses(cfg, engine.step):
+            stop = pause.step
             log.begin_segment()
             engine.run_steps(stop, next_batch, on_step, should_stop)
             log.end_segment()
@@ -86,12 +104,12 @@ def run_training(
                     f"stopped at step {engine.step} and saved a checkpoint; continue with: "
                     f"{resume_command(run.path, engine.layout.world)}",
                 )
-            if stop in evals:
+            if pause.evaluate:
                 log.on_eval(stop, engine.evaluate(val, token_bytes))
                 if watch_stages and stop < cfg.steps:  # the last step's come with the summary
                     log.on_stages(stop, engine.stage_reports(digests=False))
             log.flush()
-            if stop in saves:
+            if pause.save:
                 save_checkpoint(run, engine, data, cfg, log.elapsed())
         stages = engine.stage_reports()
         log.on_stages(engine.step, stages)

@@ -9,7 +9,7 @@
 See docs/schedules.md.
 """
 
-from nobubble.schedules.generators import generate
+from nobubble.schedules.generators import generate, rank_actions, until_step
 from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import (
     Action,
@@ -18,7 +18,7 @@ from nobubble.schedules.ir import (
     ScheduleError,
     version_last_uses,
 )
-from nobubble.schedules.lowering import is_lowered, lower
+from nobubble.schedules.lowering import is_lowered, lower, lower_rank
 from nobubble.schedules.registry import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, schedule_spec
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import render_text
@@ -41,10 +41,13 @@ __all__ = [
     "generate",
     "is_lowered",
     "lower",
+    "lower_rank",
+    "rank_actions",
     "render_png",
     "render_text",
     "schedule_spec",
     "simulate",
+    "until_step",
     "version_last_uses",
     "write_trace",
 ]

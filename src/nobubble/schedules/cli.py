@@ -6,6 +6,7 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Sequence
 
 from tqdm import tqdm
 
@@ -16,11 +17,14 @@ from nobubble.schedules.ir import ScheduleError
 from nobubble.schedules.lowering import lower
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SCHEDULE_NAMES, schedule_spec
 from nobubble.schedules.render_png import render_png
-from nobubble.schedules.render_text import render_text
+from nobubble.schedules.render_text import grid_columns, render_text
 from nobubble.schedules.simulator import SimResult, simulate, split_rank_times
 from nobubble.schedules.trace import write_trace
 
 PROGRESS_DELAY_S = 1.0  # work that takes longer draws a progress bar on stderr
+# every action is generated, simulated and drawn: a bound on how many, about half a minute's work
+MAX_STAGE_MICROBATCHES = 200_000  # (model stages) x microbatches x steps, per schedule
+MAX_GRID_COLUMNS = 1_000_000  # characters of the text grid's rows, before wrapping
 
 
 def _times(text: str) -> float | list[float]:
@@ -125,7 +129,26 @@ def comparison_table(results: dict[str, SimResult]) -> str:
     return "\n".join(lines)
 
 
-def _check(args: argparse.Namespace) -> None:
+def _chunks(args: argparse.Namespace, name: str) -> int | None:
+    """The stages per rank asked of ``name`` (None: the schedule's own)."""
+    return args.chunks if schedule_spec(name).interleaved else None
+
+
+def _check_size(args: argparse.Namespace, name: str) -> None:
+    """Refuse a shape whose actions are too many to generate, simulate and draw."""
+    chunks = _chunks(args, name) or schedule_spec(name).default_chunks
+    size = args.stages * chunks * args.microbatches * args.steps
+    if size > MAX_STAGE_MICROBATCHES:
+        shape = f"--stages {args.stages}{f' x {chunks} chunks' if chunks > 1 else ''}"
+        raise ScheduleError(
+            f"{name}: {shape} x --microbatches {args.microbatches} x --steps {args.steps} = "
+            f"{size:,} forwards to simulate and draw, more than {MAX_STAGE_MICROBATCHES:,} "
+            "(about half a minute); use fewer steps (3 show the steady state) or microbatches, "
+            "or `nobubble plan` for the figures of large shapes"
+        )
+
+
+def _check(args: argparse.Namespace, names: Sequence[str]) -> None:
     """What can be wrong with the flags, found before any work."""
     if args.width < 1:
         raise ScheduleError(f"--width must be at least 1, got {args.width}")
@@ -133,9 +156,22 @@ def _check(args: argparse.Namespace) -> None:
         problem = schedule_spec(args.schedule).chunk_problem(args.chunks)
         if problem:
             raise ScheduleError(f"--chunks: {problem}")
+    for name in names:
+        _check_size(args, name)
     for flag, path in (("--png", args.png), ("--trace", args.trace)):
         if path:
             check_output_file(path, flag)
+
+
+def _check_grid(name: str, result: SimResult) -> None:
+    """Refuse a text grid too wide to draw (before anything is written)."""
+    columns = grid_columns(result)
+    if columns > MAX_GRID_COLUMNS:
+        raise ScheduleError(
+            f"{name}: the text grid would be {columns:,} characters wide (its shortest action "
+            f"gets a label's width, the whole timeline as many of those as it takes), more "
+            f"than {MAX_GRID_COLUMNS:,}; use --no-grid or --json, or times closer together"
+        )
 
 
 def _progress(total: int) -> tqdm:
@@ -158,15 +194,15 @@ def run(args: argparse.Namespace) -> int:
 
     Bad input raises :class:`ScheduleError` (or ConfigError for an output path) before any work.
     """
-    _check(args)
     names = PIPELINE_SCHEDULES if args.schedule == "all" else (args.schedule,)
+    _check(args, names)
     shape = f"P={args.stages} M={args.microbatches} steps={args.steps}"
     results: dict[str, SimResult] = {}
     violations: dict[str, list[str]] = {}
     with _progress(len(names)) as bar:  # a schedule's simulation moves it by one
         for name in names:
             _phase(bar, f"{name}: generating")
-            chunks = args.chunks if schedule_spec(name).interleaved else None
+            chunks = _chunks(args, name)
             actions = generate(name, args.stages, args.microbatches, args.steps, chunks)
             lowered = lower(actions)
             _phase(bar, f"{name}: simulating")
@@ -182,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
             )
             _phase(bar, f"{name}: checking invariants")
             violations[name] = check_invariants(actions, name, results[name])
+            if not (args.json or args.no_grid):
+                _check_grid(name, results[name])
         panels = [(f"{name} {shape}", result) for name, result in results.items()]
         if args.png:
             _phase(bar, "drawing the PNG")

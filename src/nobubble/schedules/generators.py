@@ -21,26 +21,32 @@ which weight version each forward uses (the schedule's registry spec says which)
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from itertools import chain
+
 from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from nobubble.schedules.registry import ScheduleSpec, schedule_spec
 
-Order = list[tuple[ActionKind, int, int]]  # (kind, stage, microbatch)
+Order = Iterator[tuple[ActionKind, int, int]]  # (kind, stage, microbatch), produced lazily
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 
 
 def gpipe_order(stage: int, microbatches: range) -> Order:
-    return [(F, stage, k) for k in microbatches] + [(B, stage, k) for k in microbatches]
+    yield from ((F, stage, k) for k in microbatches)
+    yield from ((B, stage, k) for k in microbatches)
 
 
 def one_f_one_b_order(stage: int, stages: int, microbatches: range) -> Order:
     """1F1B: stage s runs P-1-s forwards ahead, so at most P-s activations are in flight."""
     n = len(microbatches)
     warmup = min(stages - 1 - stage, n)
-    order: Order = [(F, stage, microbatches[i]) for i in range(warmup)]
+    for i in range(warmup):
+        yield F, stage, microbatches[i]
     for i in range(n - warmup):
-        order += [(F, stage, microbatches[i + warmup]), (B, stage, microbatches[i])]
-    order += [(B, stage, microbatches[i]) for i in range(n - warmup, n)]
-    return order
+        yield F, stage, microbatches[i + warmup]
+        yield B, stage, microbatches[i]
+    for i in range(n - warmup, n):
+        yield B, stage, microbatches[i]
 
 
 def interleaved_order(rank: int, ranks: int, chunks: int, microbatches: range) -> Order:
@@ -60,11 +66,13 @@ def interleaved_order(rank: int, ranks: int, chunks: int, microbatches: range) -
         return chunk * ranks + rank, microbatches[k]
 
     warmup = min(2 * (ranks - 1 - rank) + (chunks - 1) * ranks, total)
-    order: Order = [(F, *task(i, False)) for i in range(warmup)]
+    for i in range(warmup):
+        yield F, *task(i, False)
     for i in range(total - warmup):
-        order += [(F, *task(i + warmup, False)), (B, *task(i, True))]
-    order += [(B, *task(i, True)) for i in range(total - warmup, total)]
-    return order
+        yield F, *task(i + warmup, False)
+        yield B, *task(i, True)
+    for i in range(total - warmup, total):
+        yield B, *task(i, True)
 
 
 def zero_bubble_order(stage: int, microbatches: range, warmup: int, pending: int) -> Order:
@@ -72,16 +80,17 @@ def zero_bubble_order(stage: int, microbatches: range, warmup: int, pending: int
     it pending beyond ``pending`` W's, the last ones at the end of the step."""
     n = len(microbatches)
     warmup = min(warmup, n)
-    order: Order = [(F, stage, microbatches[i]) for i in range(warmup)]
+    for i in range(warmup):
+        yield F, stage, microbatches[i]
     waiting: list[int] = []
     for i in range(n):
         if i + warmup < n:
-            order.append((F, stage, microbatches[i + warmup]))
-        order.append((I, stage, microbatches[i]))
+            yield F, stage, microbatches[i + warmup]
+        yield I, stage, microbatches[i]
         waiting.append(microbatches[i])
         while len(waiting) > pending:
-            order.append((W, stage, waiting.pop(0)))
-    return order + [(W, stage, k) for k in waiting]
+            yield W, stage, waiting.pop(0)
+    yield from ((W, stage, k) for k in waiting)
 
 
 def zero_bubble_h1_order(stage: int, stages: int, microbatches: range) -> Order:
@@ -95,21 +104,25 @@ def zero_bubble_h2_order(stage: int, stages: int, microbatches: range) -> Order:
 
 
 def _emit(
-    rank_order: Order, microbatches: int, *, step_per_microbatch: bool, delayed: bool
-) -> list[Action]:
-    """Turn one rank's order into actions.
+    rank_order: Iterable[tuple[ActionKind, int, int]],
+    microbatches: int,
+    *,
+    step_per_microbatch: bool,
+    delayed: bool,
+) -> Iterator[Action]:
+    """Turn one rank's order into actions, as lazily as the order comes.
 
     A stage's STEP follows its last weight gradient (B or W) of each step (every one if
     ``step_per_microbatch``). A forward uses the newest version of its stage, or with
     ``delayed`` (2bw) version max(t-1, 0) for minibatch t. A backward (B, I, W) uses the version
-    its forward used (weight stashing).
+    its forward used (weight stashing). What it remembers is the microbatches in flight and the
+    steps not complete yet, so its memory does not grow with the steps.
     """
     per_step = 1 if step_per_microbatch else microbatches
 
     def step_of(k: int) -> int:
         return k if step_per_microbatch else k // microbatches
 
-    actions: list[Action] = []
     stashed: dict[tuple[int, int], int] = {}
     produced: dict[int, int] = {}
     applied: dict[tuple[int, int], int] = {}  # (stage, step) -> weight gradients so far
@@ -118,25 +131,31 @@ def _emit(
         if kind is F:
             version = max(t - 1, 0) if delayed else produced.get(stage, 0)
             stashed[stage, k] = version
-            actions.append(Action(F, stage, k, version, t))
+            yield Action(F, stage, k, version, t)
             continue
         version = stashed[stage, k] if kind is I else stashed.pop((stage, k))
-        actions.append(Action(kind, stage, k, version, t))
+        yield Action(kind, stage, k, version, t)
         if kind.makes_weight_gradient:
             applied[stage, t] = applied.get((stage, t), 0) + 1
             if applied[stage, t] == per_step:
+                del applied[stage, t]
                 produced[stage] = produced.get(stage, 0) + 1
-                actions.append(Action(ActionKind.STEP, stage, None, produced[stage], t))
-    return actions
+                yield Action(ActionKind.STEP, stage, None, produced[stage], t)
 
 
-def _validate(spec: ScheduleSpec, stages: int, microbatches: int, steps: int, chunks: int) -> None:
+def _checked(
+    schedule: str, stages: int, microbatches: int, steps: int, chunks: int | None
+) -> tuple[ScheduleSpec, int]:
+    """The schedule's spec and its stages per rank, once the shape is known to run."""
+    spec = schedule_spec(schedule)
+    chunks = spec.default_chunks if chunks is None else chunks
     for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps)):
         if value < 1:
             raise ScheduleError(f"{name} must be at least 1, got {value}")
     problem = spec.microbatch_problem(stages, microbatches) or spec.chunk_problem(chunks)
     if problem:
         raise ScheduleError(problem)
+    return spec, chunks
 
 
 def _rank_order(
@@ -153,6 +172,54 @@ def _rank_order(
     return one_f_one_b_order(rank, ranks, microbatches)
 
 
+def rank_actions(
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    steps: int,
+    rank: int,
+    chunks: int | None = None,
+) -> Iterator[Action]:
+    """The actions of ``rank`` in :func:`generate`'s list, made one at a time as they are read.
+
+    Taking the first actions of a run of any length costs what those actions cost: a
+    synchronous schedule is planned a step at a time, and 2bw's and pipedream's single run of
+    1F1B (warm-up in the first step, cool-down in the last, the state in between carried over)
+    a microbatch at a time. The arguments are checked here, before the first action is asked for.
+    """
+    spec, chunks = _checked(schedule, stages, microbatches, steps, chunks)
+    if not 0 <= rank < stages:
+        raise ScheduleError(f"rank must be in 0..{stages - 1}, got {rank}")
+    if spec.flushes:
+        order = chain.from_iterable(
+            _rank_order(spec, rank, stages, chunks, range(t * microbatches, (t + 1) * microbatches))
+            for t in range(steps)
+        )
+    else:  # the whole run at once
+        order = _rank_order(spec, rank, stages, chunks, range(microbatches * steps))
+    return _emit(
+        order,
+        microbatches,
+        step_per_microbatch=spec.step_per_microbatch,
+        delayed=spec.forwards_use_previous_step,
+    )
+
+
+def until_step(actions: Iterable[Action], step: int) -> Iterator[Action]:
+    """The actions of the steps before ``step``: a rank's list of the same schedule run for
+    ``step`` steps (cool-down included), read off the list of a longer run.
+
+    Every rank runs its backwards in step order, and once it has run a backward of some step it
+    only runs actions of that step or later; so the longer list is read no further than its
+    first backward of ``step`` (the rest of a long run is never made).
+    """
+    for action in actions:
+        if action.step < step:
+            yield action
+        elif action.kind.is_backward:
+            return
+
+
 def generate(
     schedule: str, stages: int, microbatches: int, steps: int, chunks: int | None = None
 ) -> Schedule:
@@ -163,27 +230,8 @@ def generate(
     pipedream steps after every microbatch, so it runs ``microbatches * steps`` optimizer steps
     (the training config uses M=1 for it).
     """
-    spec = schedule_spec(schedule)
-    chunks = spec.default_chunks if chunks is None else chunks
-    _validate(spec, stages, microbatches, steps, chunks)
-
-    def order(rank: int) -> Order:
-        if not spec.flushes:  # the whole run at once
-            return _rank_order(spec, rank, stages, chunks, range(microbatches * steps))
-        return [
-            item
-            for t in range(steps)
-            for item in _rank_order(
-                spec, rank, stages, chunks, range(t * microbatches, (t + 1) * microbatches)
-            )
-        ]
-
+    _checked(schedule, stages, microbatches, steps, chunks)  # also with no rank to list
     return [
-        _emit(
-            order(r),
-            microbatches,
-            step_per_microbatch=spec.step_per_microbatch,
-            delayed=spec.forwards_use_previous_step,
-        )
-        for r in range(stages)
+        list(rank_actions(schedule, stages, microbatches, steps, rank, chunks))
+        for rank in range(stages)
     ]

@@ -16,7 +16,7 @@ so the peer gets it as early as possible. A stage sends activations to the next 
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
 
 from nobubble.schedules.ir import (
     Action,
@@ -29,37 +29,38 @@ from nobubble.schedules.ir import (
 
 
 def _comm(action: Action, kind: ActionKind, peer: int) -> Action:
-    return dataclasses.replace(action, kind=kind, peer=peer)
+    return Action(kind, action.stage, action.microbatch, action.version, action.step, peer)
+
+
+def lower_rank(
+    rank_actions: Iterable[Action], rank_of: Mapping[int, int], last: int
+) -> Iterator[Action]:
+    """One rank's actions with their SEND_*/RECV_*, as lazily as they come; ``rank_of`` places
+    every stage 0..``last`` on its rank."""
+
+    def remote(stage: int, other: int) -> bool:
+        return 0 <= other <= last and rank_of[other] != rank_of[stage]
+
+    for a in rank_actions:
+        if a.kind.is_comm:
+            raise ScheduleError(f"{a} is a communication action: the schedule is already lowered")
+        s = a.stage
+        if a.kind is ActionKind.F and remote(s, s - 1):
+            yield _comm(a, ActionKind.RECV_ACT, s - 1)
+        if a.kind.makes_input_gradient and remote(s, s + 1):
+            yield _comm(a, ActionKind.RECV_GRAD, s + 1)
+        yield a
+        if a.kind is ActionKind.F and remote(s, s + 1):
+            yield _comm(a, ActionKind.SEND_ACT, s + 1)
+        if a.kind.makes_input_gradient and remote(s, s - 1):
+            yield _comm(a, ActionKind.SEND_GRAD, s - 1)
 
 
 def lower(actions: Schedule) -> Schedule:
     """Return a new schedule with SEND_*/RECV_* actions around every F and B (or I)."""
     last = stage_count(actions) - 1
     rank_of = stage_ranks(actions)
-
-    def remote(stage: int, other: int) -> bool:
-        return 0 <= other <= last and rank_of[other] != rank_of[stage]
-
-    lowered: Schedule = []
-    for rank_actions in actions:
-        out: list[Action] = []
-        for a in rank_actions:
-            if a.kind.is_comm:
-                raise ScheduleError(
-                    f"{a} is a communication action: the schedule is already lowered"
-                )
-            s = a.stage
-            if a.kind is ActionKind.F and remote(s, s - 1):
-                out.append(_comm(a, ActionKind.RECV_ACT, s - 1))
-            if a.kind.makes_input_gradient and remote(s, s + 1):
-                out.append(_comm(a, ActionKind.RECV_GRAD, s + 1))
-            out.append(a)
-            if a.kind is ActionKind.F and remote(s, s + 1):
-                out.append(_comm(a, ActionKind.SEND_ACT, s + 1))
-            if a.kind.makes_input_gradient and remote(s, s - 1):
-                out.append(_comm(a, ActionKind.SEND_GRAD, s - 1))
-        lowered.append(out)
-    return lowered
+    return [list(lower_rank(rank_actions, rank_of, last)) for rank_actions in actions]
 
 
 def is_lowered(actions: Schedule) -> bool:

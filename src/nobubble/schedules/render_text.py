@@ -31,6 +31,12 @@ def _time_scale(result: SimResult) -> int:
     return max(1, math.ceil((widest + 1) / shortest))
 
 
+def grid_columns(result: SimResult) -> int:
+    """How many characters wide the grid of the whole timeline is (before it is wrapped): one
+    row of that many per rank is drawn."""
+    return round(result.makespan * _time_scale(result))
+
+
 def _rank_row(result: SimResult, rank: int, scale: int, width: int) -> list[str]:
     row = [IDLE] * width
     staged = not result.one_stage_per_rank
@@ -58,7 +64,7 @@ def render_text(result: SimResult, title: str = "", width: int = 120) -> str:
     """The timeline as text, in bands of at most ``width`` characters (at least one tick)."""
     scale = _time_scale(result)
     tick = next(t for t in TICKS if t * scale >= 6)
-    total = round(result.makespan * scale)
+    total = grid_columns(result)
     prefix = len(f"{result.row_label(result.ranks - 1, short=True)} ")
     band = max((width - prefix) // (tick * scale), 1) * tick * scale
     ruler = _ruler(result, scale, total, tick)
