@@ -169,8 +169,8 @@ def _peer_that_never_sends(
     from nobubble.layout import ParallelLayout
     from nobubble.pipeline.channels import Channel
     from nobubble.pipeline.comm import Messenger, PeerFailure
+    from nobubble.pipeline.links import Links
     from nobubble.pipeline.replicas import ReplicaReduction
-    from nobubble.pipeline.routes import Routes
 
     limit = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=limit)
@@ -182,7 +182,7 @@ def _peer_that_never_sends(
         except PeerFailure as exc:
             results.put(str(exc))
     elif rank == 0:
-        messenger = Messenger(ParallelLayout(pp=2, rank=rank), timeout_s, Routes())
+        messenger = Messenger(ParallelLayout(pp=2, rank=rank), timeout_s, Links())
         try:
             messenger.recv(
                 (2,),

@@ -22,7 +22,7 @@ from typing import Any
 from nobubble.config import TrainConfig
 from nobubble.configure import build_config
 from nobubble.schedules import generate, lower, simulate
-from nobubble.schedules.simulator import SimResult, split_rank_times
+from nobubble.schedules.timing import SimResult, split_rank_times
 
 
 @dataclass(frozen=True)

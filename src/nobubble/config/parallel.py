@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from nobubble.config.fields import NON_NEGATIVE, POSITIVE, setting
 
-P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.routes
+P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.links
 PARTITIONS = ("blocks", "flops")  # nobubble.model.partition
 
 

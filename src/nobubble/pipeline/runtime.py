@@ -58,8 +58,8 @@ from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.channels import Channel
 from nobubble.pipeline.comm import Messenger, PendingRecv
 from nobubble.pipeline.held_stage import HeldStage
+from nobubble.pipeline.links import Links, resolve_links
 from nobubble.pipeline.replicas import PendingReduction, replica_rows
-from nobubble.pipeline.routes import Routes, resolve_routes
 from nobubble.profiling import OFF, action_label, label, labelled
 from nobubble.schedules import (
     Action,
@@ -167,8 +167,8 @@ class PipelineEngine:
         self.report_width = 3 + max(len(b) for b in self.moe_blocks) * routing_size(mc)
         self.delay = max(held.trained.delay for held in self.held.values())
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
-        routes = Routes.build(layout, resolve_routes(cfg.p2p_routes, dist.get_backend()))
-        self.messenger = Messenger(layout, cfg.p2p_timeout_s, routes)
+        links = Links.build(layout, resolve_links(cfg.p2p_routes, dist.get_backend()))
+        self.messenger = Messenger(layout, cfg.p2p_timeout_s, links)
         self.hidden_shape = (cfg.microbatch_size() // layout.dp, cfg.seq_len, mc.d_model)
         self.val_batches = val_batches
         self.eval_sequence = 0

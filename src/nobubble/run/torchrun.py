@@ -30,12 +30,12 @@ from nobubble.device import configure_torch
 from nobubble.engine import Engine
 from nobubble.layout import ParallelLayout, replica_group
 from nobubble.model.presets import ModelConfig
+from nobubble.pipeline.links import resolve_links
 from nobubble.pipeline.process_group import (
     close_process_group,
     device_and_backend,
     open_process_group,
 )
-from nobubble.pipeline.routes import resolve_routes
 from nobubble.pipeline.runtime import PipelineEngine
 
 T = TypeVar("T")
@@ -168,7 +168,7 @@ class TorchrunLauncher:
         check_launch(cfg, self.layout)
         configure_torch(cfg)
         self.device, backend = device_and_backend(cfg)
-        resolve_routes(cfg.p2p_routes, backend)  # a choice the backend cannot run: refused now
+        resolve_links(cfg.p2p_routes, backend)  # a choice the backend cannot run: refused now
         open_process_group(
             backend, self.device, self.layout.rank, self.layout.world, cfg.p2p_timeout_s
         )

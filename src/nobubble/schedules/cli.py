@@ -18,7 +18,7 @@ from nobubble.schedules.lowering import lower
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SCHEDULE_NAMES, schedule_spec
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import grid_columns, render_text
-from nobubble.schedules.simulator import SimResult, simulate, split_rank_times
+from nobubble.schedules.timing import SimResult, simulate, split_rank_times
 from nobubble.schedules.trace import write_trace
 
 PROGRESS_DELAY_S = 1.0  # work that takes longer draws a progress bar on stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from nobubble.schedules.ir import Action, ActionKind
-from nobubble.schedules.simulator import SimResult
+from nobubble.schedules.timing import SimResult
 
 IDLE = "."
 STEP_MARK = "|"

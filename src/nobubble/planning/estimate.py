@@ -55,7 +55,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Prediction:
+class Estimate:
     schedule: str
     step_s: float
     tokens_per_s: float
@@ -208,7 +208,7 @@ def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulate
     return third.plus(growth, (m - base) // period - 2)
 
 
-def predict(plan: Plan, schedule: str) -> Prediction:
+def estimate(plan: Plan, schedule: str) -> Estimate:
     spec = schedule_spec(schedule)
     chunks = plan.chunks if spec.interleaved else 1
     costs = stage_costs(plan.model, plan.stages * chunks, plan.seq_len, plan.microbatch_size)
@@ -243,7 +243,7 @@ def predict(plan: Plan, schedule: str) -> Prediction:
         )
         per_activation = sum(costs[s].activation_bytes for s in stages) / len(stages)
         memory.append((weights + simulated.peak_activations[r] * per_activation) / 1e9)
-    return Prediction(
+    return Estimate(
         schedule=schedule,
         step_s=step_s,
         tokens_per_s=plan.tokens_per_step / step_s,

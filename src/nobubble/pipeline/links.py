@@ -1,4 +1,5 @@
-"""Which process group carries each pipeline message, so that no backend can deadlock on order.
+"""The links of a pipeline: which process group carries each message (the ``p2p_routes``
+setting), so that no backend can deadlock on order.
 
 gloo matches a receive to the send with the same peer and tag, in any order; the runtime relies
 on that to post receives ahead of need (``RECV_AHEAD``) and send as soon as data is ready. NCCL
@@ -14,7 +15,7 @@ them in microbatch order (checked on every schedule: ``nobubble.schedules.invari
 n-th send always meets the n-th receive. The small control messages (step statistics, the
 leader's go-ahead, stop votes, evaluation sums) go over a gloo group as CPU tensors, where tags
 hold; their values are read on the CPU anyway. ``shared`` routes (the default on gloo) send
-everything over the default group, as gloo allows; ``per-edge`` on gloo runs the NCCL routing on
+everything over the default group, as gloo allows; ``per-edge`` on gloo runs the NCCL links on
 a CPU machine (its tests).
 """
 
@@ -31,7 +32,7 @@ from nobubble.pipeline.channels import Channel
 DATA_CHANNELS = (Channel.ACTIVATION, Channel.GRADIENT, Channel.EVAL_ACTIVATION)
 
 
-def resolve_routes(choice: str, backend: str) -> str:
+def resolve_links(choice: str, backend: str) -> str:
     """The config's ``p2p_routes`` on ``backend``: ``auto`` is per-edge on backends that ignore
     tags (NCCL) and shared on gloo; shared on another backend than gloo is refused."""
     if choice == "auto":
@@ -46,7 +47,7 @@ def resolve_routes(choice: str, backend: str) -> str:
 
 
 @dataclass
-class Routes:
+class Links:
     """The group of every (data channel, receiving stage, replica) (the channel says which
     neighbour sends: the stage before, or after for gradients), and the control plane's group.
 
@@ -58,8 +59,8 @@ class Routes:
     control: dist.ProcessGroup | None = None
 
     @classmethod
-    def build(cls, layout: ParallelLayout, kind: str) -> Routes:
-        """The routes of ``kind`` (shared or per-edge; see :func:`resolve_routes`). Every rank
+    def build(cls, layout: ParallelLayout, kind: str) -> Links:
+        """The routes of ``kind`` (shared or per-edge; see :func:`resolve_links`). Every rank
         must call it at the same point: torch requires every process to create every group, in
         the same order."""
         if kind == "shared":
