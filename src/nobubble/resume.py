@@ -30,6 +30,8 @@ from nobubble.checkpoint.files import (
     verify_checkpoint,
 )
 from nobubble.config import FIELDS, ConfigError, TrainConfig
+from nobubble.config.fields import FREE
+from nobubble.config.fields import LAYOUT as LAYOUT_CHANGE
 from nobubble.configure import build_config
 from nobubble.files import DamagedFile, read_json_lines, read_json_object, write_json_atomic
 from nobubble.layout import ParallelLayout
@@ -39,17 +41,10 @@ from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, tidy_le
 from nobubble.schedules.registry import schedule_spec
 from nobubble.tracking import require_loggers
 
-SAFE_TO_CHANGE = frozenset(
-    {
-        "steps", "eval_every", "eval_batches", "log_every", "checkpoint_every",
-        "keep_checkpoints", "out", "name", "progress", "threads", "p2p_timeout_s", "p2p_routes",
-        "nonfinite_patience", "device", "logger", "wandb_project", "wandb_mode", "peak_tflops",
-        "profile_steps", "compile", "activation_checkpointing", "init_from", "muon_ns_dtype",
-    }
-)  # fmt: skip
-
-# The parallel layout: may change on resume where each parameter keeps its gradient delay.
-LAYOUT = frozenset({"stages", "chunks", "stage_layers", "embed_cost", "head_cost", "dp"})
+# What a continued run may change: the settings that change no step's result, and the parallel
+# layout where each parameter keeps its gradient delay (each field says which: config/fields.py).
+SAFE_TO_CHANGE = frozenset(key for key, f in FIELDS.items() if f.metadata["resume"] == FREE)
+LAYOUT = frozenset(key for key, f in FIELDS.items() if f.metadata["resume"] == LAYOUT_CHANGE)
 
 # Why a field cannot change, where the generic "it would be another run" says too little.
 WHY_NOT = {

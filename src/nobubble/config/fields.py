@@ -53,6 +53,12 @@ FRACTION = Range(0, 1, high_open=False)  # [0, 1]
 DECAY = Range(0, 1)  # [0, 1): a decay of 1 never forgets (and Adam divides by 1 - beta^t)
 
 
+# What a continued run may do with a setting (``resume``): keep it (the continuation is the same
+# run), change it freely (it changes no step's result), or change it as a new parallel layout
+# where every parameter keeps its gradient delay (nobubble.resume).
+KEEP, FREE, LAYOUT = "keep", "free", "layout"
+
+
 def setting(
     default: Any,
     help: str,
@@ -60,11 +66,19 @@ def setting(
     *,
     choices: tuple[str, ...] | None = None,
     registry: str | None = None,
+    resume: str = KEEP,
 ) -> Any:
     """A config field. Every numeric field gives ``range``; a field of fixed words gives its
     ``choices``; a field that names a registry's entry gives the registry's name (``preset``,
-    ``optim``, ``schedule``, ``correction``), checked above the configuration."""
-    metadata = {"help": help, "range": range, "choices": choices, "registry": registry}
+    ``optim``, ``schedule``, ``correction``), checked above the configuration; ``resume`` says
+    whether a continued run may change it (:data:`KEEP`, :data:`FREE`, :data:`LAYOUT`)."""
+    metadata = {
+        "help": help,
+        "range": range,
+        "choices": choices,
+        "registry": registry,
+        "resume": resume,
+    }
     return field(default=default, metadata=metadata)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.config.fields import POSITIVE, ConfigError, setting
+from nobubble.config.fields import FREE, POSITIVE, ConfigError, setting
 
 LOGGERS = ("tensorboard", "wandb")
 WANDB_MODES = ("online", "offline")
@@ -12,24 +12,30 @@ WANDB_MODES = ("online", "offline")
 
 @dataclass
 class LoggingSettings:
-    log_every: int = setting(1, "write a metrics line every N steps", POSITIVE)
-    progress: bool = setting(True, "show a progress bar")
+    log_every: int = setting(1, "write a metrics line every N steps", POSITIVE, resume=FREE)
+    progress: bool = setting(True, "show a progress bar", resume=FREE)
     logger: str = setting(
-        "none", "loggers beside metrics.jsonl: none | tensorboard | wandb | tensorboard,wandb"
+        "none",
+        "loggers beside metrics.jsonl: none | tensorboard | wandb | tensorboard,wandb",
+        resume=FREE,
     )
-    wandb_project: str = setting("nobubble", "Weights & Biases project (logger=wandb)")
+    wandb_project: str = setting("nobubble", "Weights & Biases project (logger=wandb)", resume=FREE)
     wandb_mode: str = setting(
         "online",
         "Weights & Biases mode (offline: no network; sync later)",
         choices=WANDB_MODES,
+        resume=FREE,
     )
     peak_tflops: float | None = setting(
         None,
         "peak dense TFLOP/s of one device for MFU; default: looked up for known GPUs, none on CPU",
         POSITIVE,
+        resume=FREE,
     )
     profile_steps: str | None = setting(
-        None, "A:B: write a torch.profiler trace of steps A..B (from 1) into the run folder"
+        None,
+        "A:B: write a torch.profiler trace of steps A..B (from 1) into the run folder",
+        resume=FREE,
     )
 
 

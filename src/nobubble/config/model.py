@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.config.fields import NON_NEGATIVE, POSITIVE, setting
+from nobubble.config.fields import FREE, NON_NEGATIVE, POSITIVE, setting
 
 
 @dataclass
@@ -59,8 +59,13 @@ class ModelSettings:
         None,
         "start from the weights of a local Hugging Face Llama checkpoint folder (config.json + "
         "safetensors); the shape must match the model's (see docs/export.md)",
+        resume=FREE,
     )
     activation_checkpointing: bool = setting(
-        False, "recompute each block's activations in the backward instead of keeping them"
+        False,
+        "recompute each block's activations in the backward instead of keeping them",
+        resume=FREE,
     )
-    compile: bool = setting(False, "torch.compile each stage (see docs/training.md for parity)")
+    compile: bool = setting(
+        False, "torch.compile each stage (see docs/training.md for parity)", resume=FREE
+    )

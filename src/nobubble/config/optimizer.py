@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.config.fields import DECAY, FRACTION, NON_NEGATIVE, POSITIVE, setting
+from nobubble.config.fields import DECAY, FRACTION, FREE, NON_NEGATIVE, POSITIVE, setting
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")
@@ -36,6 +36,7 @@ class OptimizerSettings:
         "muon: dtype of the Newton–Schulz orthogonalization; auto: bfloat16 on CUDA and on CPUs "
         "with bfloat16 matrix instructions, else float32 (docs/optimizers.md)",
         choices=MUON_NS_DTYPES,
+        resume=FREE,
     )
     lr_schedule: str = setting(
         "cosine", "learning-rate schedule, after a linear warmup", choices=LR_SCHEDULES
@@ -50,4 +51,5 @@ class OptimizerSettings:
         3,
         "abort after this many steps in a row whose update was skipped for a non-finite gradient",
         POSITIVE,
+        resume=FREE,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.config.fields import NON_NEGATIVE, POSITIVE, setting
+from nobubble.config.fields import FREE, LAYOUT, NON_NEGATIVE, POSITIVE, setting
 
 P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.links
 PARTITIONS = ("blocks", "flops")  # nobubble.model.partition
@@ -16,7 +16,10 @@ PARTITIONS = ("blocks", "flops")  # nobubble.model.partition
 class ParallelSettings:
     schedule: str = setting("sync", "pipeline schedule (docs/schedules.md)", registry="schedule")
     stages: int = setting(
-        1, "pipeline stages P (torchrun: one process per stage and replica)", POSITIVE
+        1,
+        "pipeline stages P (torchrun: one process per stage and replica)",
+        POSITIVE,
+        resume=LAYOUT,
     )
     chunks: int | None = setting(
         None,
@@ -24,6 +27,7 @@ class ParallelSettings:
         "into stages x chunks parts, part c·P + r on stage r; default: the schedule's (2 for "
         "interleaved-1f1b, else 1)",
         POSITIVE,
+        resume=LAYOUT,
     )
     microbatches: int = setting(1, "microbatches M per optimizer step", POSITIVE)
     dp: int = setting(
@@ -31,12 +35,19 @@ class ParallelSettings:
         "data-parallel replicas of the pipeline (torchrun: stages x dp processes); each reads "
         "1/dp of every microbatch",
         POSITIVE,
+        resume=LAYOUT,
     )
     stage_layers: list[int] | None = setting(
-        None, "explicit blocks per stage, e.g. [3, 3]", NON_NEGATIVE
+        None,
+        "explicit blocks per stage, e.g. [3, 3]",
+        NON_NEGATIVE,
+        resume=LAYOUT,
     )
     p2p_timeout_s: float = setting(
-        300.0, "pipeline: fail if a stage waits longer for a peer", POSITIVE
+        300.0,
+        "pipeline: fail if a stage waits longer for a peer",
+        POSITIVE,
+        resume=FREE,
     )
     p2p_routes: str = setting(
         "auto",
@@ -44,6 +55,7 @@ class ParallelSettings:
         "tag) | per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | "
         "auto (shared on gloo, per-edge otherwise)",
         choices=P2P_ROUTES,
+        resume=FREE,
     )
     partition: str = setting(
         "blocks",
@@ -52,8 +64,14 @@ class ParallelSettings:
         "by its training FLOPs, resolved into stage_layers once the tokenizer is known and saved "
         "in config.json)",
         choices=PARTITIONS,
+        resume=LAYOUT,
     )
-    embed_cost: float = setting(1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE)
+    embed_cost: float = setting(
+        1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE, resume=LAYOUT
+    )
     head_cost: float = setting(
-        1.0, "partition weight of the final norm + head, in blocks", NON_NEGATIVE
+        1.0,
+        "partition weight of the final norm + head, in blocks",
+        NON_NEGATIVE,
+        resume=LAYOUT,
     )
