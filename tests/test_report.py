@@ -358,6 +358,6 @@ def test_runs_of_earlier_versions_group_with_new_ones_whatever_chunks_they_saved
     root = tmp_path / "runs"
     make_run(root, 2.0, schedule="interleaved-1f1b", stages=2, microbatches=2, seed=0)
     make_run(root, 2.2, schedule="interleaved-1f1b", stages=2, microbatches=2, seed=1, chunks=2)
-    runs, warnings = discover([root])
+    runs, _ = discover([root])
     (group,) = group_runs(runs)
     assert len(group.runs) == 2 and group.settings["chunks"] == 2
