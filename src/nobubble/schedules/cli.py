@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         default="2bw",
         choices=[*SCHEDULE_NAMES, "all"],
-        help="schedule to simulate; 'all' compares the four (default: 2bw)",
+        help="schedule to simulate; 'all' compares every pipeline schedule (default: 2bw)",
     )
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages P (default: 4)")
     parser.add_argument(
