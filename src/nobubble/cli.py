@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=AnyOrderParser)
 
     train_parser = commands.add_parser(
-        "train", help="train a model (one process: simulation; under torchrun: the pipeline)"
+        "train",
+        help="train a model (one process: the one-process engine; under torchrun: the pipeline)",
     )
     add_config_arguments(train_parser)
     run_folder = train_parser.add_mutually_exclusive_group()

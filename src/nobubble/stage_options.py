@@ -1,7 +1,8 @@
 """The options of a stage module: activation checkpointing, torch.compile, the MoE loss share,
 and the dtype its matmuls run in (:func:`autocast`).
 
-Both backends build their modules (the simulator's whole model, a pipeline rank's stage) and
+Both backends build their modules (the one-process engine's whole model, a pipeline rank's
+stage) and
 hand them here, so the two apply the options alike (docs/training.md, "Compile and activation
 checkpointing").
 """

@@ -12,12 +12,13 @@ Layout of ``checkpoints/step_NNNNNN`` (format 2)::
                                   param-group hyperparameters by name (named_state.py)
     shard_0/meta.json             data position, config, tokenizer checksum, time so far
     shard_1/...                   pipeline: one shard per stage, written by the rank that holds
-                                  it (replica 0 of the stage); simulator: a single shard
+                                  it (replica 0 of the stage); one process: a single shard
 
 Nothing is pickled. A shard is still written per stage (a large model is never gathered on one
 rank), but everything in it is keyed by name, so a reader takes the parameters it needs from
-whichever shards hold them (the manifest maps names to shards): the simulator reads every shard of
-a pipeline checkpoint, stage 1 of two reads shards 2 and 3 of a four-stage one, and so on.
+whichever shards hold them (the manifest maps names to shards): the one-process engine reads
+every shard of a pipeline checkpoint, stage 1 of two reads shards 2 and 3 of a four-stage one,
+and so on.
 
 Shards are written into ``.tmp-step_NNNNNN``; when all are there, the manifest is written and the
 folder renamed into place, so a ``step_*`` folder with a manifest is complete, and the checksums

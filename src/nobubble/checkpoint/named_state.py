@@ -2,8 +2,8 @@
 
 A torch ``state_dict`` numbers parameters by their position in the optimizer, so it only fits an
 optimizer built over the same parameters in the same order: a pipeline stage's optimizer cannot
-read the simulator's, nor stage 1 of four the state of stage 0 of two. :class:`NamedState` holds
-the same information by name:
+read the one-process engine's, nor stage 1 of four the state of stage 0 of two.
+:class:`NamedState` holds the same information by name:
 
 - ``params``: each parameter's state (``exp_avg``, ``momentum_buffer``, SOAP's lists of
   matrices, ...), as the optimizer keeps it;
@@ -17,7 +17,7 @@ the same information by name:
 
 :func:`load_named_state` loads such a state into an optimizer built (by
 :func:`~nobubble.optim.build_optimizer`) over any subset of the parameters: the whole model in
-the simulator, one stage of any split in the pipeline. Every group of the target takes the
+the one-process engine, one stage of any split in the pipeline. Every group of the target takes the
 hyperparameters of the saved groups that covered its names, which must agree (groups are per
 kind of parameter and the same for every stage, so they do unless the state is inconsistent).
 

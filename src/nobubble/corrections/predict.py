@@ -9,7 +9,8 @@ the version step t would run at without prediction, moved on by d copies of the 
 made it. w[c+1] never enters ŵ: the first stage of a real pipeline starts step t's forwards
 before that update exists (under 2bw: c = t-1, ŵ[t] = 2·w[t-1] - w[t-2], and the update of step
 t-1 needs all of step t-1's backwards), and every stage follows the same rule: the last stage,
-which has stepped t-1 before its first forward of step t, and the simulator, which has stepped
+which has stepped t-1 before its first forward of step t, and the one-process engine, which has
+stepped
 t-1 before step t starts, read versions c and c-1 only. The gradient computed at ŵ[t] is
 applied to the true weights (the optimizer's parameters, version t); ŵ[t] is what the backward
 of every microbatch of step t reads (it takes the place of the stashed version). A stage with

@@ -67,7 +67,7 @@ def restore_checkpoint(folder: Path | None, engine: Engine, data: DataBundle | N
     """Load this process's parameters from a verified checkpoint (if any) into the engine, and
     the data position; return the time the run had spent up to it.
 
-    The checkpoint may come from any layout (the simulator, another number of stages): the
+    The checkpoint may come from any layout (the one-process engine, another number of stages): the
     process reads its parameters by name from whichever shards hold them. Whether the layout may
     change at all was decided when the run was opened (:func:`nobubble.resume.reopen`).
     """

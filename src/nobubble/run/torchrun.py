@@ -55,7 +55,7 @@ def launch_layout(cfg: TrainConfig) -> ParallelLayout:
         raise ConfigError(
             f"{cfg.schedule} with stages=1 puts all {chunks} model stages on one process, which "
             "gains nothing from interleaving; use stages >= 2 (processes), or train without "
-            "torchrun (the single-process engine runs the same semantics)"
+            "torchrun (the one-process engine runs the same semantics)"
         )
     return ParallelLayout.from_world(cfg.stages, cfg.dp, rank, world, chunks)
 
