@@ -16,6 +16,7 @@ import itertools
 
 import pytest
 
+from nobubble.cli import main
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.configure import build_config
 from nobubble.data import build
@@ -202,3 +203,14 @@ def test_a_streamed_validation_set_past_memory_is_refused_before_reading(monkeyp
     cfg = TrainConfig(data="hf:org/name", eval_batches=10**9)
     with pytest.raises(DataError, match=r"= 4,096,000,000,000 validation tokens, .* at most"):
         build_from_source(HFDataset("org/name", None, "text"), cfg, None, ByteTokenizer())
+
+
+def test_a_model_too_large_for_memory_is_one_line_and_leaves_no_run(tmp_path, capsys):
+    """A shape whose weights cannot be allocated (here 10^11 embeddings of 256: 100 TB) is
+    refused in one line, before the run folder is made."""
+    out = tmp_path / "big"
+    args = ["train", "--out", str(out), "vocab_size=100000000000", "steps=1", "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the model does not fit in memory" in err and "Traceback" not in err
+    assert not out.exists()

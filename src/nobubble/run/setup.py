@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from nobubble.config import TrainConfig
+import torch
+
+from nobubble.config import ConfigError, TrainConfig
 from nobubble.data import DataBundle
 from nobubble.engine import Engine
 from nobubble.hf.init import check_init_from, init_note, init_source, load_init_from
@@ -67,7 +69,7 @@ def train_with(
         source = init_source(cfg, setup.checkpoint)
         if source:  # the leader checks (it has the tokenizer), every process loads its own
             launcher.from_leader(lambda: check_init_from(source, mc, data.tokenizer))
-        engine = launcher.engine(cfg, mc, val_batches)
+        engine = built(lambda: launcher.engine(cfg, mc, val_batches))
         before = restore_checkpoint(setup.checkpoint, engine, data)
         if source:
             load_init_from(engine, source)
@@ -86,6 +88,20 @@ def train_with(
         run_training(cfg, mc, run, data, engine, before, stop)
     launcher.barrier()  # nobody tears a process group down while a peer still talks to it
     return run.path
+
+
+def built(make: Callable[[], Engine]) -> Engine:
+    """``make()``, with a model too large for the device's memory refused in one line."""
+    try:
+        return make()
+    except RuntimeError as exc:  # torch.OutOfMemoryError (CUDA) is one too
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if not isinstance(exc, torch.OutOfMemoryError) and "allocate" not in first:
+            raise
+        raise ConfigError(
+            f"the model does not fit in memory ({first}); choose a smaller shape (d_model, "
+            "n_layers, vocab_size, moe_experts) or spread it over more stages"
+        ) from None
 
 
 def resuming(checkpoint: Path | None) -> str:
