@@ -14,7 +14,8 @@ This module runs the actions: each kind has its handler (:data:`_Segment.HANDLER
 a module each: what a process runs and when (:mod:`~nobubble.pipeline.plan`), whether a step runs
 at all (:mod:`~nobubble.pipeline.control`: the leader's go-ahead, the stop votes), a STEP's update
 at once or behind its all-reduces (:mod:`~nobubble.pipeline.updates`), the statistics of a step
-(:mod:`~nobubble.pipeline.stats`) and the evaluation (:mod:`~nobubble.pipeline.evaluation`).
+(:mod:`~nobubble.pipeline.stats`), the evaluation (:mod:`~nobubble.pipeline.evaluation`), and
+the picture of the schedule that a failure shows (:mod:`~nobubble.pipeline.failure`).
 
 With data parallelism the replicas of a stage average their gradient at every STEP
 (:mod:`nobubble.pipeline.replicas`); the rest of that STEP's update waits until an action needs the
@@ -53,6 +54,7 @@ from nobubble.pipeline.channels import Channel
 from nobubble.pipeline.comm import Messenger, PendingRecv
 from nobubble.pipeline.control import StepControl
 from nobubble.pipeline.evaluation import PipelinedEvaluation
+from nobubble.pipeline.failure import add_schedule, schedule_around
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.links import Links, resolve_links
 from nobubble.pipeline.plan import RECV_AHEAD, Plan
@@ -120,15 +122,25 @@ class PipelineEngine:
         """Run this stage's actions for steps [self.step, stop), or fewer if a stop is requested
         (:mod:`nobubble.pipeline.control`: a step that does not run drops the actions of that
         and later steps, leaving the shorter run's schedule, cool-down included).
+
+        An error on the way (a peer that failed or timed out, an action that raised) shows where
+        in the schedule this process was (:mod:`nobubble.pipeline.failure`); ``on_step``'s own
+        errors pass as they are.
         """
         plan = Plan(self.cfg, self.layout, self.step, stop)
         run = _Segment(self, next_batch, on_step)
         started, waited = time.perf_counter(), self.messenger.waited_s
-        while (action := plan.peek()) is not None:
-            self._run(run, plan, action, should_stop)
-        run.updates.finish_all()
-        self.control.count_remaining_votes()
-        self.messenger.drain()
+        at: Action | None = None  # the action running or about to
+        try:
+            while (at := plan.peek()) is not None:
+                self._run(run, plan, at, should_stop)
+            run.updates.finish_all()
+            self.control.count_remaining_votes()
+            self.messenger.drain()
+        except Exception as error:
+            if error is not run.callers_error:
+                self._show_schedule(error, plan, at or run.last)
+            raise
         self.train_wall_s += time.perf_counter() - started
         self.train_idle_s += self.messenger.waited_s - waited
 
@@ -151,7 +163,19 @@ class PipelineEngine:
         took = time.perf_counter() - began - (self.blocked_s() - blocked)
         key = (action.stage, action.kind)
         self.action_s[key] = self.action_s.get(key, 0.0) + took
+        run.last = action
         plan.pop()
+
+    def _show_schedule(self, error: Exception, plan: Plan, action: Action | None) -> None:
+        """Add to ``error`` the picture of the schedule around ``action`` (none before the
+        first action)."""
+        if action is None:
+            return
+        try:
+            picture = schedule_around(self.cfg, self.layout, action, plan.start, plan.stop)
+        except Exception as failed:  # the picture must never hide the error itself
+            picture = f"(no picture of the schedule: {type(failed).__name__}: {failed})"
+        add_schedule(error, picture)
 
     def blocked_s(self) -> float:
         """Time blocked so far on pipeline peers, data-parallel and tied all-reduces."""
@@ -290,6 +314,7 @@ class _Segment:
         self.e = engine
         self.next_batch = next_batch
         self.on_step = on_step
+        self.callers_error: BaseException | None = None  # what on_step raised, if anything
         self.batches: dict[int, tuple[torch.Tensor, ...]] = {}
         # keyed by (stage, microbatch): stage's (input, output) of its F; its input gradient
         self.stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -297,6 +322,7 @@ class _Segment:
         self.recvs: dict[tuple[ActionKind, int, int], PendingRecv] = {}
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
+        self.last: Action | None = None  # the last action run
         self.updates = Updates(engine.held, self.apply)
 
     def post_receives(self, actions: list[Action]) -> None:
@@ -437,5 +463,13 @@ class _Segment:
         if not e.stats.add(held.index, step, sums, norm, ok, held.last):
             return
         e.step = step + 1
-        e.stats.report(step, lr, self.on_step)
+        e.stats.report(step, lr, self.tell)
         e.profiler.after_step(step)
+
+    def tell(self, stats: StepStats) -> None:
+        """``on_step``, remembering what it raised (its own errors are not the pipeline's)."""
+        try:
+            self.on_step(stats)
+        except BaseException as error:
+            self.callers_error = error
+            raise
