@@ -64,6 +64,7 @@ from nobubble.pipeline.updates import Updates
 from nobubble.profiling import OFF, action_label, labelled
 from nobubble.schedules import Action, ActionKind, schedule_spec
 from nobubble.stage_options import autocast
+from nobubble.stage_report import StageReport
 
 RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
 
@@ -185,18 +186,17 @@ class PipelineEngine:
             blocked += held.tied.waited_s if held.tied else 0.0
         return blocked
 
-    def stage_reports(self, digests: bool = True) -> list[dict[str, float]] | None:
-        """Every rank's idle time and memory, gathered on the leader (a collective call), so far
-        in this session; ``digests``: with the digests of the weights (which read all of them).
+    def stage_reports(self, digests: bool = True) -> list[dict[str, Any]] | None:
+        """Every rank's :class:`~nobubble.stage_report.StageReport` so far in this session,
+        gathered on the leader (a collective call); ``digests``: with the digests of the weights
+        (which read all of them).
 
-        One report per process (``stage``: its pipeline position; ``stages``: the model stages
-        it holds). ``idle_s`` counts the time blocked on pipeline peers and, with data
-        parallelism, on the gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``),
-        and on a process that holds a tied copy, on the tied all-reduce
-        (``tied_allreduce_wait_s`` of ``tied_allreduce_s``); ``tied_sha256`` is the digest of its
-        copy's newest version. ``allreduce_last_s`` and ``allreduce_last_wait_s`` are the run's
-        final all-reduce alone (no compute is left to hide it behind; the benchmark reports it
-        apart).
+        ``idle_s`` counts the time blocked on pipeline peers and, with data parallelism, on the
+        gradient all-reduce (``allreduce_wait_s`` of its ``allreduce_s``), and on a process
+        that holds a tied copy, on the tied all-reduce (``tied_allreduce_wait_s`` of
+        ``tied_allreduce_s``); ``tied_sha256`` is the digest of its copy's newest version.
+        ``allreduce_last_s`` and ``allreduce_last_wait_s`` are the run's final all-reduce alone
+        (no compute is left to hide it behind; the benchmark reports it apart).
         """
         held = list(self.held.values())
         reductions = [h.reduction for h in held if h.reduction]
@@ -206,19 +206,18 @@ class PipelineEngine:
         action_s: dict[str, dict[str, float]] = {}
         for (stage, kind), seconds in sorted(self.action_s.items()):
             action_s.setdefault(str(stage), {})[kind.value] = seconds
-        report = {
-            "stage": self.layout.pp_rank,
-            "stages": list(self.layout.stages),
-            "replica": self.layout.replica,
-            "blocks": sum(len(h.spec.blocks) for h in held),
-            "train_wall_s": self.train_wall_s,
-            "idle_s": idle,
-            "idle_fraction": idle / self.train_wall_s if self.train_wall_s else 0.0,
-            "peak_mem_mb": peak_memory_mb(self.device),
-            "param_mb": sum(h.param_mb() for h in held),
-            "weight_versions_peak": max(h.trained.versions_peak for h in held),
-            "action_s": action_s,
-        }
+        report = StageReport(
+            pp_rank=self.layout.pp_rank,
+            model_stages=self.layout.stages,
+            replica=self.layout.replica,
+            blocks=sum(len(h.spec.blocks) for h in held),
+            train_wall_s=self.train_wall_s,
+            idle_s=idle,
+            peak_mem_mb=peak_memory_mb(self.device),
+            param_mb=sum(h.param_mb() for h in held),
+            weight_versions_peak=max(h.trained.versions_peak for h in held),
+            action_s=action_s,
+        ).as_dict()
         if digests:
             report["weights_sha256"] = weights_digest(self.newest_weights())
         if reductions:
