@@ -264,7 +264,7 @@ def assert_copies_equal(run, stages):
             for key in mine:
                 assert torch.equal(first[key], last[key]), f"{checkpoint.name}: {key} differs"
     reports = json.loads((run / "summary.json").read_text())["stages"]
-    digests = {r["stage"]: r.get("tied_sha256") for r in reports}
+    digests = {r["pp_rank"]: r.get("tied_sha256") for r in reports}
     assert digests[0] is not None and digests[0] == digests[stages - 1]
     assert all(digests[s] is None for s in range(1, stages - 1))
 
@@ -295,7 +295,7 @@ def test_tied_pipeline_with_replicas_equals_one_process(tmp_path):
     reports = json.loads((tmp_path / "dp" / "summary.json").read_text())["stages"]
     assert len({r["tied_sha256"] for r in reports}) == 1 and len(reports) == 4
     for stage in (0, 1):
-        assert len({r["weights_sha256"] for r in reports if r["stage"] == stage}) == 1
+        assert len({r["weights_sha256"] for r in reports if r["pp_rank"] == stage}) == 1
 
 
 TIED_2BW = [*CONSTANT, "tie_embeddings=true", "schedule=2bw", "microbatches=4", "grad_clip=0"]
