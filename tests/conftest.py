@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from nobubble.model import PRESETS, ModelConfig
+from nobubble.model.presets import PRESETS, ModelConfig
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ _PRELOAD = [
     "torch._dynamo",
     "torch.distributed",
     "nobubble.cli",
-    "nobubble.pipeline.launch",
+    "nobubble.run.train",
     "tests.launcher",
 ]
 _CONTEXT: multiprocessing.context.ForkServerContext | None = None

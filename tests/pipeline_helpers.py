@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nobubble.checkpoint import newest_weights
+from nobubble.checkpoint.files import newest_weights
 from tests.launcher import run_nobubble
 
 # A model and data small enough for 4 processes on 2 cores, big enough to have 4 blocks.

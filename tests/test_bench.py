@@ -42,8 +42,9 @@ from nobubble.bench.report import (
     targets,
 )
 from nobubble.bench.torch_worker import P2PWaitClock, torch_schedules
-from nobubble.bench.variants import VARIANTS, Shape, command, twin
-from nobubble.config import ConfigError, TrainConfig, build_config
+from nobubble.bench.variants import DEFAULT_VARIANTS, VARIANTS, Shape, command, twin
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -91,25 +92,25 @@ def test_measured_action_times_split_each_process_s_busy_time():
     Each one's busy time (wall - idle) is spread over its F, I and W in the measured proportions
     (its STEP time included), per microbatch."""
     reports = [
-        {"stage": 0, "replica": 0, "train_wall_s": 14.0, "idle_s": 2.0, "action_s": {
+        {"pp_rank": 0, "replica": 0, "train_wall_s": 14.0, "idle_s": 2.0, "action_s": {
             "0": {"F": 1.0, "I": 1.0, "W": 1.0, "STEP": 0.5},
             "2": {"F": 1.0, "I": 1.0, "W": 1.0},
         }},
-        {"stage": 1, "replica": 0, "train_wall_s": 14.0, "idle_s": 8.0,
+        {"pp_rank": 1, "replica": 0, "train_wall_s": 14.0, "idle_s": 8.0,
          "action_s": {"1": {"F": 1.0, "I": 2.0, "W": 1.0}}},
     ]  # fmt: skip
     costs = measured_costs(reports, micro_total=2)
     assert costs.fwd == pytest.approx([1.0, 0.75, 1.0])  # 12 s over 6 s measured, 6 s over 4 s
     assert costs.bwd == pytest.approx([2.0, 2.25, 2.0])  # I + W
     assert costs.wgrad == pytest.approx([1.0, 0.75, 1.0])
-    unsplit = [{"stage": 0, "replica": 0, "train_wall_s": 4.0, "idle_s": 1.0,
+    unsplit = [{"pp_rank": 0, "replica": 0, "train_wall_s": 4.0, "idle_s": 1.0,
                 "action_s": {"0": {"F": 1.0, "B": 1.0}}}]  # fmt: skip
     assert measured_costs(unsplit, micro_total=1) == dataclasses.replace(
         costs, fwd=[1.5], bwd=[1.5], wgrad=None
     )
-    torch_run = [{"stage": 0, "replica": 0, "train_wall_s": 4.0, "idle_s": 1.0}]  # no action_s
+    torch_run = [{"pp_rank": 0, "replica": 0, "train_wall_s": 4.0, "idle_s": 1.0}]  # no action_s
     assert measured_costs(torch_run, micro_total=1) is None
-    ours = [{"stage": 0, "replica": 0, "action_s": {"0": {"F": 2.0, "B": 4.0}}}]
+    ours = [{"pp_rank": 0, "replica": 0, "action_s": {"0": {"F": 2.0, "B": 4.0}}}]
     borrowed = measured_costs(torch_run, micro_total=1, like=ours)  # torch's 3 s split 1:2
     assert (borrowed.fwd, borrowed.bwd) == (pytest.approx([1.0]), pytest.approx([2.0]))
     assert twin(VARIANTS["torch-interleaved-1f1b"]) == "interleaved-1f1b"
@@ -169,7 +170,7 @@ def test_targets_and_table_from_paired_repeats():
 def rank_report(stage: int, replica: int, took: float, waited: float, idle: float) -> dict:
     """A summary.json ``stages`` entry of a dp run (4 steps)."""
     return {
-        "stage": stage, "replica": replica, "train_wall_s": 10.0, "idle_s": idle,
+        "pp_rank": stage, "replica": replica, "train_wall_s": 10.0, "idle_s": idle,
         "idle_fraction": idle / 10.0, "peak_mem_mb": 500.0 + replica, "param_mb": 6.0,
         "weight_versions_peak": 2, "allreduce_s": took, "allreduce_wait_s": waited,
         "allreduce_mb": 4 * 6.0,
@@ -283,13 +284,14 @@ def test_foreign_load_is_a_share_of_cores_and_steal_apart(monkeypatch, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.extended  # 11 launches, 2.5 min on CI; make test runs each kind of variant below
-def test_quick_bench_reports_every_variant(tmp_path, capsys):
+def test_quick_bench_reports_every_default_variant(tmp_path, capsys):
+    """The default variants (the correction variants run only on request: --schedules)."""
     out = tmp_path / "bench.json"
     args = parse("--quick", "--json", str(out), "--runs-dir", str(tmp_path / "runs"),
                  "p2p_timeout_s=60")  # fmt: skip
     assert run(args) == 0
     report = json.loads(out.read_text())
-    assert [s["name"] for s in report["summary"]] == list(VARIANTS)
+    assert [s["name"] for s in report["summary"]] == list(DEFAULT_VARIANTS)
     table = capsys.readouterr().out
     for summary in report["summary"]:
         assert f"| {summary['name']} |" in table
@@ -308,6 +310,13 @@ def test_quick_bench_reports_every_variant(tmp_path, capsys):
     assert report["memory_pass"] is None  # off with --quick
 
 
+def same_report_keys(ours: list[dict], theirs: list[dict]) -> bool:
+    """Whether our pipeline's and torch's baseline's reports (of the same processes) have the
+    same keys (nobubble.stage_report), ours with the weights' digests besides."""
+    keys = [set(r) - {"weights_sha256"} for r in ours]
+    return keys == [set(r) for r in theirs] and all("weights_sha256" in r for r in ours)
+
+
 @pytest.mark.slow
 def test_quick_bench_runs_torchs_interleaved_zero_bubble_baseline(tmp_path, capsys):
     """The one kind of variant make test launches nowhere else: torch's multi-stage-per-rank
@@ -317,8 +326,12 @@ def test_quick_bench_runs_torchs_interleaved_zero_bubble_baseline(tmp_path, caps
     args = parse("--quick", "--schedules", "2bw,torch-interleaved-zb", "--json", str(out),
                  "p2p_timeout_s=60")  # fmt: skip
     assert run(args) == 0
-    summaries = {s["name"]: s for s in json.loads(out.read_text())["summary"]}
+    report = json.loads(out.read_text())
+    summaries = {s["name"]: s for s in report["summary"]}
     assert set(summaries) == {"2bw", "torch-interleaved-zb"}
+    ours, theirs = (report["runs"][name][0]["ranks"] for name in ("2bw", "torch-interleaved-zb"))
+    assert same_report_keys(ours, theirs)
+    assert [r["model_stages"] for r in theirs] == [[0, 2], [1, 3]]  # two model stages a rank
     torch_zb = summaries["torch-interleaved-zb"]
     assert torch_zb["tokens_per_s"] > 0 and torch_zb["weight_versions"] == [1, 1]
     assert all(0 <= idle < 1 for idle in torch_zb["idle"])
@@ -373,9 +386,11 @@ def test_quick_bench_with_data_parallelism_reports_the_allreduce(tmp_path, capsy
         assert all(h <= 1 for h in summary["hidden"] + summary["hidden_run"])
         assert all(0 <= idle < 1 for idle in summary["idle"])
         (run,) = report["runs"][name]
-        assert sorted((r["stage"], r["replica"]) for r in run["ranks"]) == [
+        assert sorted((r["pp_rank"], r["replica"]) for r in run["ranks"]) == [
             (0, 0), (0, 1), (1, 0), (1, 1)
         ]  # fmt: skip
+    ours, theirs = (report["runs"][name][0]["ranks"] for name in ("1f1b", "torch-1f1b"))
+    assert same_report_keys(ours, theirs)  # the all-reduce's measurements included
     # the torch baseline reads the same rows of every microbatch and averages the same way
     assert summaries["torch-1f1b"]["final_loss"] == pytest.approx(
         summaries["1f1b"]["final_loss"], rel=1e-4

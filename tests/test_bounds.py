@@ -16,15 +16,17 @@ import itertools
 
 import pytest
 
-from nobubble.config import SCHEDULES, SYNC, ConfigError, TrainConfig, build_config
+from nobubble.cli import main
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config
 from nobubble.data import build
 from nobubble.data.build import build_from_source
 from nobubble.data.errors import DataError
 from nobubble.data.sources import HFDataset
 from nobubble.data.tokenizer import ByteTokenizer
-from nobubble.delay import gradient_version, stage_delays
 from nobubble.layout import ParallelLayout
-from nobubble.pipeline.runtime import RECV_AHEAD, _Plan, ir_schedule, segment_actions
+from nobubble.pipeline.plan import RECV_AHEAD, Plan, segment_actions
+from nobubble.run.loop import Pause, pauses
 from nobubble.schedules import (
     SCHEDULE_NAMES,
     Action,
@@ -35,7 +37,8 @@ from nobubble.schedules import (
     rank_actions,
     until_step,
 )
-from nobubble.train import Pause, pauses
+from nobubble.schedules.registry import schedule_spec
+from nobubble.versions import gradient_version
 
 # (P, M) shapes every schedule can run: M a multiple of P (interleaved) and at least P (2bw)
 SHAPES = [(1, 1), (1, 3), (2, 2), (2, 4), (3, 3), (3, 6), (4, 4), (4, 8)]
@@ -44,22 +47,23 @@ SHAPES = [(1, 1), (1, 3), (2, 2), (2, 4), (3, 3), (3, 6), (4, 4), (4, 8)]
 def config(schedule: str, stages: int, microbatches: int) -> TrainConfig:
     # pipedream steps after every microbatch: its training config has M = 1
     micro = 1 if schedule == "pipedream" else microbatches
-    return TrainConfig(schedule=schedule, stages=stages, microbatches=micro)
+    chunks = schedule_spec(schedule).default_chunks  # what building the config resolves
+    return TrainConfig(schedule=schedule, stages=stages, microbatches=micro, chunks=chunks)
 
 
 def whole_segment(cfg: TrainConfig, pp_rank: int, start: int, stop: int) -> list[Action]:
     """A process's actions for steps [start, stop) from the whole lists, shifted to the run."""
-    chunks = cfg.stage_chunks()
+    chunks = cfg.chunks
     lowered = lower(
         generate(
-            ir_schedule(cfg.schedule),
+            cfg.schedule,
             cfg.stages,
             cfg.microbatches,
             stop - start,
             chunks if chunks > 1 else None,
         )
     )
-    delays = stage_delays(cfg.schedule, cfg.model_stages())
+    delays = schedule_spec(cfg.schedule).delays(ParallelLayout.of(cfg).model_stages)
     shifted = []
     for a in lowered[pp_rank]:
         step = a.step + start
@@ -70,10 +74,10 @@ def whole_segment(cfg: TrainConfig, pp_rank: int, start: int, stop: int) -> list
 
 
 def layout(cfg: TrainConfig, pp_rank: int) -> ParallelLayout:
-    return ParallelLayout(cfg.stages, 1, pp_rank, cfg.stage_chunks())
+    return ParallelLayout.of(cfg, pp_rank)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 @pytest.mark.parametrize(("stages", "microbatches"), SHAPES)
 def test_the_streamed_segment_is_the_whole_segments_plan(schedule, stages, microbatches):
     """For every schedule, shape, process and segment [start, stop): the same actions in the
@@ -97,14 +101,14 @@ def test_a_stopped_run_is_the_shorter_runs_plan_cool_down_included(schedule, sta
         assert stopped == shorter, (t, rank)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_a_process_stopped_at_a_step_runs_the_shorter_segment(schedule):
     """The runtime's plan, read as it reads it (a few actions ahead) and stopped at the first
     action of step t, runs exactly the actions of the segment [start, t)."""
     cfg = config(schedule, 3, 6)
     start, stop = 2, 8
     for pp_rank, t in itertools.product(range(cfg.stages), range(start + 1, stop)):
-        plan, ran = _Plan(segment_actions(cfg, layout(cfg, pp_rank), start, stop)), []
+        plan, ran = Plan(cfg, layout(cfg, pp_rank), start, stop), []
         while (action := plan.peek()) is not None:
             plan.ahead(RECV_AHEAD)
             if action.step == t:
@@ -137,7 +141,7 @@ def counted(monkeypatch):
     return _Counted
 
 
-@pytest.mark.parametrize("schedule", [*SCHEDULES])
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_a_run_of_a_trillion_steps_plans_only_what_is_read(counted, schedule):
     """The first 1,000 actions of each process of a 10**12-step segment are those of a run
     long enough to hold them, and reading them makes about as many (each is made, then placed
@@ -159,10 +163,6 @@ def test_stopping_a_trillion_step_segment_ends_it(counted):
     stopped = list(until_step(segment_actions(cfg, layout(cfg, 0), 0, 10**12), 3))
     assert counted.made < 1000
     assert stopped == list(segment_actions(cfg, layout(cfg, 0), 0, 3))
-
-
-def test_sync_is_planned_as_1f1b():
-    assert ir_schedule(SYNC) == "1f1b"
 
 
 @pytest.mark.parametrize("start", [0, 3, 12])
@@ -203,3 +203,14 @@ def test_a_streamed_validation_set_past_memory_is_refused_before_reading(monkeyp
     cfg = TrainConfig(data="hf:org/name", eval_batches=10**9)
     with pytest.raises(DataError, match=r"= 4,096,000,000,000 validation tokens, .* at most"):
         build_from_source(HFDataset("org/name", None, "text"), cfg, None, ByteTokenizer())
+
+
+def test_a_model_too_large_for_memory_is_one_line_and_leaves_no_run(tmp_path, capsys):
+    """A shape whose weights cannot be allocated (here 10^11 embeddings of 256: 100 TB) is
+    refused in one line, before the run folder is made."""
+    out = tmp_path / "big"
+    args = ["train", "--out", str(out), "vocab_size=100000000000", "steps=1", "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the model does not fit in memory" in err and "Traceback" not in err
+    assert not out.exists()

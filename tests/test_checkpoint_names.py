@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from nobubble.checkpoint import (
+from nobubble.checkpoint.files import (
     CheckpointError,
     CheckpointReader,
     publish,
@@ -17,17 +17,20 @@ from nobubble.checkpoint import (
     staging_dir,
     write_shard,
 )
-from nobubble.cli import main
-from nobubble.config import build_config
-from nobubble.model import build_model, model_config, partition
-from nobubble.optim import OPTIMIZERS, build_optimizer
-from nobubble.optim.named_state import (
+from nobubble.checkpoint.named_state import (
     NamedState,
     NamedStateError,
     load_named_state,
     named_state,
 )
-from nobubble.simulated import SimulatedEngine, stage_parameter_names
+from nobubble.cli import main
+from nobubble.configure import build_config
+from nobubble.model.layers import build_model
+from nobubble.model.partition import partition, stage_parameter_names
+from nobubble.model.resolve import model_config
+from nobubble.one_process import OneProcessEngine
+from nobubble.optim.registry import OPTIMIZERS
+from nobubble.update import build_stage_optimizer
 from tests.pipeline_helpers import (
     EXTENDED,
     SMALL,
@@ -55,7 +58,7 @@ def _optimizers(model, cfg, stages: int) -> list:
     params = dict(model.named_parameters())
     specs = partition(cfg.n_layers, stages)
     return [
-        build_optimizer([(n, params[n]) for n in names], cfg)
+        build_stage_optimizer([(n, params[n]) for n in names], cfg, delay=1)
         for names in stage_parameter_names(list(params), specs)
     ]
 
@@ -211,10 +214,13 @@ def _rewrite_as_format_1(run, step: int) -> None:
     reader = CheckpointReader(folder)
     loaded = reader.load()
     vocab = loaded.weights[f"v{step}/embed.weight"].shape[0]
-    engine = SimulatedEngine(cfg, model_config(cfg, vocab), torch.device("cpu"))
+    engine = OneProcessEngine(cfg, model_config(cfg, vocab), torch.device("cpu"))
     engine.restore(loaded.weights, {"step": loaded.step, "optimizer": loaded.optimizer})
+    # format 1 held one optimizer over the whole model, its state keyed by position
+    whole = build_stage_optimizer(list(engine.model.named_parameters()), cfg, delay=1)
+    load_named_state(whole, loaded.optimizer)
     shard = folder / "shard_0"
-    state = {"engine": {"step": step, "optimizer": engine.trainer.optimizer.state_dict()}}
+    state = {"engine": {"step": step, "optimizer": whole.state_dict()}}
     torch.save({**state, "torch_rng": reader.rng(0)}, shard / "state.pt")
     save_file(engine.checkpoint_tensors(), shard / "weights.safetensors")
     (shard / "state.json").unlink()

@@ -11,15 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nobubble.cli import build_parser, chosen_keys, main, warn_unused_settings
-from nobubble.config import (
-    FIELDS,
-    ConfigError,
-    RunFacts,
-    UnusedSettingWarning,
-    build_config,
-    load_toml,
-    parse_overrides,
-)
+from nobubble.config import FIELDS, ConfigError, load_toml, parse_overrides
+from nobubble.configure import build_config
+from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning
 from tests.pipeline_helpers import SMALL
 
 
@@ -188,6 +182,9 @@ UNUSED = [
     ({"embed_cost": 2.0, "head_cost": 0.5}, False, {"embed_cost", "head_cost"}),
     ({"embed_cost": 2.0, "head_cost": 0.5, "stages": 2}, False, set()),
     ({"embed_cost": 2.0, "stages": 2, "stage_layers": [3, 1]}, False, {"embed_cost"}),
+    ({"head_cost": 2.0, "stages": 2, "partition": "flops"}, False, {"head_cost"}),
+    ({"partition": "flops"}, False, {"partition"}),
+    ({"partition": "flops", "stages": 2}, False, set()),
     ({"name": "mine", "out": "runs/here"}, False, {"name"}),
     ({"name": "mine"}, False, set()),
     ({"data_field": "body"}, False, {"data_field"}),
@@ -218,14 +215,14 @@ def test_a_setting_the_run_never_reads_gets_a_warning_that_says_why(settings, to
     found = unused_warnings(cfg, settings, torchrun)
     assert set(found) == unused
     for key, message in found.items():
-        when = FIELDS[key].metadata["read_when"]
+        when = READ_WHEN[key]
         assert message.startswith(f"{key}=") and "does nothing in this run" in message
         assert when.when in message and when.now(cfg, RunFacts(False, torchrun)) in message
     assert unused_warnings(cfg, ()) == {}  # the same values as defaults: nothing was chosen
 
 
 def test_the_table_covers_every_setting_only_some_runs_read():
-    conditional = {key for key, spec in FIELDS.items() if spec.metadata["read_when"]}
+    conditional = set(READ_WHEN)
     assert set().union(*(unused for _, _, unused in UNUSED)) == conditional
 
 

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import re
 import typing
@@ -6,20 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nobubble.config import (
-    FIELDS,
-    ConfigError,
-    TrainConfig,
-    build_config,
-    coerce,
-    load_toml,
-    parse_overrides,
-)
+from nobubble.config import FIELDS, ConfigError, TrainConfig, coerce, load_toml, parse_overrides
+from nobubble.configure import build_config
+from nobubble.runfolder import run_name
 
 
 def test_defaults_are_valid():
+    """The defaults build, and building resolves chunks to the schedule's (sync: 1)."""
     cfg = build_config()
-    assert cfg == TrainConfig()
+    assert cfg == dataclasses.replace(TrainConfig(), chunks=1)
 
 
 def test_layers_apply_in_order():
@@ -157,12 +153,12 @@ def test_no_float_key_accepts_a_non_finite_value(key, value):
 
 
 def test_corrections_parse_combine_and_ef_is_an_alias():
-    from nobubble.config import chosen_corrections
+    from nobubble.corrections.registry import chosen
 
-    assert chosen_corrections(build_config({})) == ()
-    assert chosen_corrections(build_config({"correction": "ef"})) == ("ef",)
-    assert chosen_corrections(build_config({"ef": True})) == ("ef",)
-    assert build_config({"correction": "ef"}).run_name() == build_config({"ef": True}).run_name()
+    assert chosen(build_config({})) == ()
+    assert chosen(build_config({"correction": "ef"})) == ("ef",)
+    assert chosen(build_config({"ef": True})) == ("ef",)
+    assert run_name(build_config({"correction": "ef"})) == run_name(build_config({"ef": True}))
     for bad, message in [
         ("ef+dc", "both change the update"),
         ("ef+ef", "names a correction twice"),
@@ -171,4 +167,4 @@ def test_corrections_parse_combine_and_ef_is_an_alias():
         with pytest.raises(ConfigError, match=message):
             build_config({"correction": bad})
     with pytest.raises(ConfigError, match=r"ef and nesterov both .* \(ef=true adds ef\)"):
-        chosen_corrections(TrainConfig(correction="nesterov", ef=True))
+        chosen(TrainConfig(correction="nesterov", ef=True))

@@ -9,11 +9,15 @@ import math
 import pytest
 import torch
 
-from nobubble.config import ConfigError, TrainConfig, build_config
-from nobubble.corrections import REGISTRY, parameter_delays
+from nobubble.checkpoint.named_state import decode, encode, load_named_state, named_state
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config
+from nobubble.corrections.registry import REGISTRY
 from nobubble.corrections.spike import SpikeCompensation
-from nobubble.optim import build_optimizer
-from nobubble.optim.named_state import decode, encode, load_named_state, named_state
+from nobubble.model.resolve import model_config
+from nobubble.one_process import OneProcessEngine
+from nobubble.optim.registry import build_optimizer
+from nobubble.update import build_stage_optimizer
 from tests.test_delay_exact import column, quadratic_trainer
 from tests.test_delay_exact import run as run_steps
 
@@ -31,7 +35,7 @@ def run(cfg: TrainConfig, steps: int, delay: int = 0, name: str = HIDDEN) -> lis
     do: at version max(t - delay, 0)); returns the final weights. The learning rate stays
     ``cfg.lr`` (no schedule is applied here)."""
     w = torch.nn.Parameter(torch.tensor([W0], dtype=torch.float64))
-    opt = build_optimizer([(name, w)], cfg)
+    opt = build_stage_optimizer([(name, w)], cfg, delay=delay)
     history = [w.detach().clone()]
     for t in range(steps):
         stale = history[max(t - delay, 0)][0].tolist()
@@ -209,9 +213,15 @@ def test_spike_under_2bw_uses_delay_one():
 
 
 def test_pipedream_delays_follow_the_stages():
-    cfg = build_config({"schedule": "pipedream", "stages": 2, "n_layers": 2})
-    delays = parameter_delays(["embed.weight", "blocks.0.attn.wq.weight", "head.weight"], cfg)
-    assert delays == {"embed.weight": 1, "blocks.0.attn.wq.weight": 1, "head.weight": 0}
+    """Each stage's optimizer (and so its correction) sees the delay of its place in the
+    pipeline: the partition says which stage owns a parameter, the schedule each stage's delay."""
+    cfg = build_config({"schedule": "pipedream", "stages": 2, "n_layers": 2, "correction": "spike"})
+    engine = OneProcessEngine(cfg, model_config(cfg, tokenizer_vocab=64), torch.device("cpu"))
+    delays = {name: stage.delay for stage in engine.trainer.stages for name in stage.params}
+    assert delays["embed.weight"] == delays["blocks.0.attn.wq.weight"] == 1
+    assert delays["head.weight"] == 0
+    for stage in engine.trainer.stages:
+        assert set(stage.optimizer.delays.values()) == {stage.delay}  # what spike compensates
 
 
 # -- dc ------------------------------------------------------------------------------------------
@@ -276,7 +286,7 @@ def test_adaptive_dc_matches_formula(delay):
 def test_correction_state_round_trips_by_name(extra):
     cfg = TrainConfig(**ADAMW, **extra, schedule="2bw")
     w = torch.nn.Parameter(torch.tensor([W0], dtype=torch.float64))
-    opt = build_optimizer([(HIDDEN, w)], cfg)
+    opt = build_stage_optimizer([(HIDDEN, w)], cfg, delay=1)
     for _ in range(2):
         w.grad = torch.tensor([grad(w.detach()[0].tolist())], dtype=torch.float64)
         opt.step()
@@ -284,14 +294,16 @@ def test_correction_state_round_trips_by_name(extra):
     state = decode(doc, lambda key: tensors[key].clone())  # as read from a file: not shared
     assert state.correction == extra["correction"]
     twin = torch.nn.Parameter(w.detach().clone())
-    fresh = build_optimizer([(HIDDEN, twin)], cfg)
+    fresh = build_stage_optimizer([(HIDDEN, twin)], cfg, delay=1)
     load_named_state(fresh, state)
     w.grad, twin.grad = torch.ones_like(w), torch.ones_like(twin)
     opt.step()
     fresh.step()
     assert torch.equal(w, twin)
     with pytest.raises(ValueError, match=f"correction={extra['correction']}, this optimizer has"):
-        load_named_state(build_optimizer([(HIDDEN, twin)], TrainConfig(**ADAMW)), state)
+        load_named_state(
+            build_stage_optimizer([(HIDDEN, twin)], TrainConfig(**ADAMW), delay=1), state
+        )
 
 
 @pytest.mark.parametrize(

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nobubble.cli import main
-from nobubble.config import build_config
+from nobubble.configure import build_config
 from nobubble.data import ByteTokenizer
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
-from nobubble.model import model_config
+from nobubble.model.resolve import model_config
 from nobubble.resume import saved_config
 from nobubble.sweeping.planned import PlannedRun, Status
 from tests.pipeline_helpers import snapshot

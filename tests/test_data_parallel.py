@@ -22,7 +22,8 @@ import signal
 
 import pytest
 
-from nobubble.config import ConfigError, build_config
+from nobubble.config import ConfigError
+from nobubble.configure import build_config
 from tests.pipeline_helpers import (
     EXTENDED,
     assert_same_run,
@@ -89,11 +90,11 @@ def test_replicas_equal_one_process_with_the_same_global_batch(
     nobubble(tmp_path / "one", *settings)
     assert_close_runs(tmp_path / "dp", tmp_path / "one")
     reports = stage_reports(tmp_path / "dp")
-    assert sorted((r["stage"], r["replica"]) for r in reports) == [
+    assert sorted((r["pp_rank"], r["replica"]) for r in reports) == [
         (s, r) for s in range(stages) for r in range(2)
     ]
     for stage in range(stages):
-        digests = {r["weights_sha256"] for r in reports if r["stage"] == stage}
+        digests = {r["weights_sha256"] for r in reports if r["pp_rank"] == stage}
         assert len(digests) == 1, f"the replicas of stage {stage} hold different weights"
         assert all(r["allreduce_mb"] > 0 for r in reports)
 

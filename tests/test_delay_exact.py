@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.delay import gradient_version, stage_delays
-from nobubble.optim import build_optimizer
-from nobubble.simulated import DelayedTrainer
+from nobubble.one_process import DelayedTrainer
+from nobubble.schedules.registry import schedule_spec
+from nobubble.versions import gradient_version
 
 
 def quadratic_trainer(delays: list[int], optim: str = "sgd", **overrides) -> DelayedTrainer:
@@ -28,13 +28,11 @@ def quadratic_trainer(delays: list[int], optim: str = "sgd", **overrides) -> Del
         **overrides,
     )
     params = [{f"w{s}": torch.nn.Parameter(torch.ones(1, dtype=torch.float64))} for s in delays]
-    named = [item for stage in params for item in stage.items()]
-    optimizer = build_optimizer(named, cfg)
 
     def micro_loss(weights, micro):
         return sum(0.5 * (w * w).sum() for w in weights.values())
 
-    return DelayedTrainer(params, delays, optimizer, micro_loss, cfg)
+    return DelayedTrainer(params, delays, micro_loss, cfg)
 
 
 def run(trainer: DelayedTrainer, steps: int) -> list[list[float]]:
@@ -51,10 +49,10 @@ def column(history: list[list[float]], stage: int) -> list[float]:
 
 
 def test_delay_profiles():
-    assert stage_delays("sync", 4) == [0, 0, 0, 0]
-    assert stage_delays("1f1b", 4) == [0, 0, 0, 0]
-    assert stage_delays("2bw", 4) == [1, 1, 1, 1]
-    assert stage_delays("pipedream", 4) == [3, 2, 1, 0]
+    assert schedule_spec("sync").delays(4) == [0, 0, 0, 0]
+    assert schedule_spec("1f1b").delays(4) == [0, 0, 0, 0]
+    assert schedule_spec("2bw").delays(4) == [1, 1, 1, 1]
+    assert schedule_spec("pipedream").delays(4) == [3, 2, 1, 0]
     assert [gradient_version(t, 1) for t in range(4)] == [0, 0, 1, 2]
 
 
@@ -70,7 +68,7 @@ def test_sgd_2bw_uses_the_gradient_of_the_previous_weights():
 
 
 def test_pipedream_gives_stage_s_a_delay_of_p_minus_1_minus_s():
-    history = run(quadratic_trainer(stage_delays("pipedream", 3)), 5)
+    history = run(quadratic_trainer(schedule_spec("pipedream").delays(3)), 5)
     # delay 2: w[t+1] = w[t] - 0.5·w[t-2]: 1, .5, 0, -.5, -.75, -.75
     assert column(history, 0) == [1.0, 0.5, 0.0, -0.5, -0.75, -0.75]
     # delay 1 (as 2bw) and delay 0 (as sync)
@@ -114,7 +112,7 @@ def test_adamw_state_is_built_from_the_stale_gradients(delay):
 
 
 def test_versions_held_are_exactly_what_the_delay_needs():
-    trainer = quadratic_trainer(stage_delays("pipedream", 3))
+    trainer = quadratic_trainer(schedule_spec("pipedream").delays(3))
     for _ in range(5):
         trainer.train_step([torch.zeros(1)])
     # stage s keeps d_s old versions plus the newest one

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.optim import OPTIMIZERS, ErrorFeedback, build_optimizer
+from nobubble.corrections.ef import ErrorFeedback
+from nobubble.optim.registry import OPTIMIZERS
+from nobubble.update import build_stage_optimizer
 
 
 def _quadratic_run(cfg: TrainConfig, w0: float, a: float, steps: int) -> float:
     """One 1-D parameter (a gain, so no weight decay) on f = ½·a·w²."""
     w = torch.nn.Parameter(torch.tensor([w0], dtype=torch.float64))
-    opt = build_optimizer([("norm.weight", w)], cfg)
+    opt = build_stage_optimizer([("norm.weight", w)], cfg, delay=1)
     for _ in range(steps):
         w.grad = a * w.detach()
         opt.step()
@@ -87,7 +89,7 @@ def test_composes_with_every_optimizer(optim: str) -> None:
     cfg = TrainConfig(optim=optim, lr=1e-2, ef=True, ef_gamma=gamma)
     named = _named_params()
     params = [p for _, p in named]
-    opt = build_optimizer(named, cfg)
+    opt = build_stage_optimizer(named, cfg, delay=1)
     assert isinstance(opt, ErrorFeedback)
     gen = torch.Generator().manual_seed(1)
     prev = [torch.zeros_like(p) for p in params]
@@ -96,7 +98,7 @@ def test_composes_with_every_optimizer(optim: str) -> None:
             p.grad = torch.randn(p.shape, generator=gen)
         twin_named = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in named]
         twin_params = [p for _, p in twin_named]
-        twin_base = build_optimizer(twin_named, dataclasses.replace(cfg, ef=False))
+        twin_base = build_stage_optimizer(twin_named, dataclasses.replace(cfg, ef=False), delay=1)
         twin_base.load_state_dict(_clone(opt.base.state_dict()))
         for twin, p in zip(twin_params, params, strict=True):
             twin.grad = p.grad.clone()
@@ -111,7 +113,7 @@ def test_composes_with_every_optimizer(optim: str) -> None:
 
 def test_state_dict_holds_one_buffer_per_parameter() -> None:
     named = _named_params()
-    opt = build_optimizer(named, TrainConfig(optim="sgd", lr=0.1, ef=True))
+    opt = build_stage_optimizer(named, TrainConfig(optim="sgd", lr=0.1, ef=True), delay=1)
     for _, p in named:
         p.grad = torch.ones_like(p)
     opt.step()
@@ -121,7 +123,7 @@ def test_state_dict_holds_one_buffer_per_parameter() -> None:
     for i, p in enumerate(ordered):
         torch.testing.assert_close(state["prev_delta"][i], opt.prev_delta[p])
     fresh_named = _named_params()
-    fresh = build_optimizer(fresh_named, TrainConfig(optim="sgd", lr=0.1, ef=True))
+    fresh = build_stage_optimizer(fresh_named, TrainConfig(optim="sgd", lr=0.1, ef=True), delay=1)
     fresh.load_state_dict(_clone(state))
     fresh_ordered = [p for group in fresh.param_groups for p in group["params"]]
     for p, q in zip(ordered, fresh_ordered, strict=True):
@@ -130,8 +132,8 @@ def test_state_dict_holds_one_buffer_per_parameter() -> None:
 
 def test_loading_a_state_dict_without_buffers_says_why() -> None:
     named = _named_params()
-    plain = build_optimizer(named, TrainConfig(optim="sgd"))
-    wrapped = build_optimizer(named, TrainConfig(optim="sgd", ef=True))
+    plain = build_stage_optimizer(named, TrainConfig(optim="sgd"), delay=1)
+    wrapped = build_stage_optimizer(named, TrainConfig(optim="sgd", ef=True), delay=1)
     with pytest.raises(ValueError, match="without correction=ef"):
         wrapped.load_state_dict(plain.state_dict())
 
@@ -139,7 +141,7 @@ def test_loading_a_state_dict_without_buffers_says_why() -> None:
 def test_step_without_gradients_changes_nothing() -> None:
     named = _named_params()
     before = [p.detach().clone() for _, p in named]
-    opt = build_optimizer(named, TrainConfig(optim="adamw", ef=True))
+    opt = build_stage_optimizer(named, TrainConfig(optim="adamw", ef=True), delay=1)
     opt.step()
     assert all(torch.equal(p, b) for (_, p), b in zip(named, before, strict=True))
     assert opt.prev_delta == {}

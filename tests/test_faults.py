@@ -167,9 +167,10 @@ def _peer_that_never_sends(
     import torch.distributed as dist
 
     from nobubble.layout import ParallelLayout
-    from nobubble.pipeline.comm import Channel, Messenger, PeerFailure
+    from nobubble.pipeline.channels import Channel
+    from nobubble.pipeline.comm import Messenger, PeerFailure
+    from nobubble.pipeline.links import Links
     from nobubble.pipeline.replicas import ReplicaReduction
-    from nobubble.pipeline.routes import Routes
 
     limit = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=limit)
@@ -181,7 +182,7 @@ def _peer_that_never_sends(
         except PeerFailure as exc:
             results.put(str(exc))
     elif rank == 0:
-        messenger = Messenger(ParallelLayout(pp=2, rank=rank), timeout_s, Routes())
+        messenger = Messenger(ParallelLayout(pp=2, rank=rank), timeout_s, Links())
         try:
             messenger.recv(
                 (2,),
@@ -240,6 +241,108 @@ def test_a_replica_that_never_joins_the_evaluation_all_reduce_is_a_timeout_namin
         "one of them exited, crashed or is stuck"
     )
     assert "raise p2p_timeout_s if it is only slow" in message
+
+
+def marked_action(output: str, name: str) -> tuple[str, str]:
+    """(the action the failure names, the text at its mark in its row) from the picture of the
+    schedule a failure of ``name`` (``stage 0``) shows."""
+    lines = output.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith(f"where {name} stopped: "))
+    action = lines[head].split(": ", 1)[1].split(" ", 1)[0]
+    assert lines[head + 1].startswith("F/B/I/W<microbatch>v<weight version>; . idle;")
+    mark = next(i for i in range(head + 2, len(lines)) if set(lines[i].strip()) == {"^"})
+    row = lines[mark - 1]
+    assert row.startswith(f"s{name.split()[1]} ")
+    return action, row[lines[mark].index("^") :]
+
+
+def expected_mark(action: str) -> str:
+    """What the picture draws where it marks ``action`` (as str(Action) writes it)."""
+    if action.startswith("STEP"):
+        return "|"
+    kind, microbatch, version = re.match(r"([A-Z_]+?)(\d+)v(\d+)@", action).groups()
+    kind = {"RECV_ACT": "F", "RECV_GRAD": "B"}.get(kind, kind)  # the compute the receive feeds
+    return f"{kind}{microbatch}v{version}"
+
+
+def test_a_stage_that_stops_answering_shows_where_the_leader_was_in_the_schedule(tmp_path):
+    """The last stage stops (SIGSTOP) mid-run: the leader gives up on it after p2p_timeout_s
+    with the error it always gave (a peer failure, one line of the command's error), and below
+    it the schedule around the action it was at, that action marked."""
+    proc = launch(tmp_path / "r", *LONG, *PIPE, "p2p_timeout_s=20", stages=2)
+    wait_until(lambda: steps_logged(tmp_path / "r") >= 5)
+    stuck = workers_of(proc.pid)[1]
+    os.kill(stuck, signal.SIGSTOP)
+    wait_until(lambda: 0 not in workers_of(proc.pid))  # the leader gave up and exited
+    os.kill(stuck, signal.SIGKILL)  # else torchrun waits for it to take its SIGTERM
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "nobubble: error: stage 0 gave up waiting for " in output, output
+    assert "stage 1 is stuck or died, see its log; raise p2p_timeout_s if it is only slow" in output
+    action, marked = marked_action(output, "stage 0")
+    if action.startswith("SEND"):  # marked at the end of the compute it sends the result of
+        assert marked
+    else:
+        assert marked.startswith(expected_mark(action)), (action, output)
+    assert "Traceback" not in output.split("nobubble: error: stage 0")[1].split("\ns1 ")[0]
+
+
+def _engine_that_fails(_: int, port: int, results) -> None:
+    """A one-process pipeline whose first forward raises (its batch is not token ids); then one
+    whose ``on_step`` raises: (type, message, notes) of each error."""
+    import torch
+
+    from nobubble.config import parse_overrides
+    from nobubble.configure import build_config
+    from nobubble.layout import ParallelLayout
+    from nobubble.model.resolve import model_config
+    from nobubble.pipeline import process_group
+    from nobubble.pipeline.runtime import PipelineEngine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    process_group.open_process_group("gloo", torch.device("cpu"), 0, 1, 120.0)
+    cfg = build_config(parse_overrides(SMALL), {"schedule": "1f1b", "microbatches": 2})
+    mc = model_config(cfg, 64)
+
+    def engine() -> PipelineEngine:
+        return PipelineEngine(cfg, mc, torch.device("cpu"), 1, ParallelLayout(pp=1, rank=0))
+
+    def caught(*args) -> tuple[str, str, list[str]]:
+        try:
+            engine().run_steps(4, *args)
+        except Exception as error:
+            return type(error).__name__, str(error), getattr(error, "__notes__", [])
+        raise AssertionError("no error")
+
+    tokens = torch.zeros(cfg.batch_size, cfg.seq_len + 1, dtype=torch.long)
+
+    def stop(stats) -> None:
+        raise ValueError("the caller's own")
+
+    results.put(caught(lambda: tokens.float(), lambda stats: None))
+    results.put(caught(lambda: tokens, stop))
+    process_group.close_process_group()
+
+
+def test_an_action_that_raises_keeps_its_error_with_the_schedule_as_a_note():
+    """An error inside an action (here a forward given no token ids) keeps its type and
+    message; its traceback shows where in the schedule it happened. ``on_step``'s own error is
+    not the pipeline's: it passes untouched."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_engine_that_fails, args=(port, results), nprocs=1, start_method="spawn")
+    kind, message, notes = results.get()
+    assert kind == "RuntimeError" and "Long" in message and "where" not in message
+    (note,) = notes
+    assert note.startswith("where stage 0 stopped: F0v0@s0 (step 1), marked ^ in the schedule")
+    assert note.splitlines()[2].startswith("s0 F0v0") and note.splitlines()[3] == "   ^^^^^"
+    assert results.get() == ("ValueError", "the caller's own", [])
 
 
 def test_tied_embeddings_under_pipedream_are_refused_up_front(tmp_path):

@@ -8,7 +8,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from nobubble.flops import Utilization, flops_per_token, matmul_weights, table_peak, utilization
-from nobubble.model import PRESETS, build_model, lm_loss
+from nobubble.model.layers import build_model, lm_loss
+from nobubble.model.presets import PRESETS
 
 # d=64, L=2, H=4 query heads and 2 key/value heads of 16, f=128, V=96
 SHAPE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)

@@ -17,23 +17,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nobubble.checkpoint import (
-    CheckpointReader,
-    publish,
-    read_meta,
-    staging_dir,
-    write_shard,
-)
+from nobubble.checkpoint.files import CheckpointReader, publish, read_meta, staging_dir, write_shard
 from nobubble.cli import main
-from nobubble.config import build_config
+from nobubble.configure import build_config
 from nobubble.data import load_tokenizer
 from nobubble.data.tokenizer import train_bpe
 from nobubble.hf.convert import hf_name, parameter_shapes
 from nobubble.hf.export import export_hf
 from nobubble.hf.init import check_init_from, load_init_from
-from nobubble.model import TIED_WEIGHT, build_model, model_config, partition
+from nobubble.model.layers import build_model
+from nobubble.model.partition import TIED_WEIGHT, partition, stage_parameter_names
+from nobubble.model.resolve import model_config
+from nobubble.one_process import OneProcessEngine
 from nobubble.resume import saved_config
-from nobubble.simulated import SimulatedEngine, stage_parameter_names
 
 ATOL = 1e-5  # float32 logits; see the module docstring
 TEXTS = [
@@ -166,7 +162,7 @@ def test_an_export_starts_a_new_run_with_exactly_its_weights(runs, exports, name
     tokenizer = load_tokenizer(run)
     mc = model_config(cfg, tokenizer.vocab_size)
     check_init_from(out, mc, tokenizer)
-    engine = SimulatedEngine(cfg, mc, torch.device("cpu"))
+    engine = OneProcessEngine(cfg, mc, torch.device("cpu"))
     load_init_from(engine, out)
     started, newest = engine.named_weights(), checkpoint_version(run)
     assert started.keys() == newest.keys()

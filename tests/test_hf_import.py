@@ -17,14 +17,17 @@ import torch
 from safetensors.torch import save_file
 
 from nobubble.cli import main
-from nobubble.config import ConfigError, build_config
+from nobubble.config import ConfigError
+from nobubble.configure import build_config
 from nobubble.data import ByteTokenizer, build_data
 from nobubble.data.tokenizer import train_bpe
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
 from nobubble.hf.init import check_init_from, load_init_from
-from nobubble.model import TIED_WEIGHT, lm_loss, model_config
+from nobubble.model.layers import lm_loss
+from nobubble.model.partition import TIED_WEIGHT
+from nobubble.model.resolve import model_config
+from nobubble.one_process import OneProcessEngine
 from nobubble.resume import saved_config
-from nobubble.simulated import SimulatedEngine
 from tests.pipeline_helpers import SMALL, metrics, nobubble
 
 ATOL = 1e-5
@@ -85,11 +88,11 @@ def llamas(hf, tmp_path_factory) -> dict[str, tuple[Path, object]]:
     return {"gqa": (root / "gqa", gqa), "tied": (root / "tied", tied)}
 
 
-def engine_from(folder: Path, *args: str) -> SimulatedEngine:
+def engine_from(folder: Path, *args: str) -> OneProcessEngine:
     cfg = build_config(settings(*args, f"init_from={folder}"))
     mc = model_config(cfg, ByteTokenizer.vocab_size)
     check_init_from(folder, mc, ByteTokenizer())
-    engine = SimulatedEngine(cfg, mc, torch.device("cpu"))
+    engine = OneProcessEngine(cfg, mc, torch.device("cpu"))
     load_init_from(engine, folder)
     return engine
 

@@ -3,18 +3,12 @@ import dataclasses
 import pytest
 import torch
 
-from nobubble.config import ConfigError, TrainConfig, build_config
-from nobubble.model import (
-    PRESETS,
-    Stage,
-    StageSpec,
-    apply_rope,
-    build_model,
-    lm_loss,
-    model_config,
-    partition,
-    rope_tables,
-)
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config
+from nobubble.model.layers import Stage, apply_rope, build_model, lm_loss, rope_tables
+from nobubble.model.partition import StageSpec, flop_costs, partition, resolve_partition
+from nobubble.model.presets import PRESETS
+from nobubble.model.resolve import model_config
 
 
 def n_params(module: torch.nn.Module) -> int:
@@ -185,9 +179,32 @@ def test_interleaving_says_its_stages_are_stages_times_chunks():
 
 
 def test_vocab_size_and_norm_eps_override_the_preset_and_a_too_small_vocabulary_is_refused():
-    from nobubble.config import build_config
-
     mc = model_config(build_config({"vocab_size": 384, "norm_eps": 1e-6}), tokenizer_vocab=257)
     assert (mc.vocab_size, mc.norm_eps) == (384, 1e-6)
     with pytest.raises(ConfigError, match=r"vocab_size gives a vocabulary of 200 .* 257 tokens"):
         model_config(build_config({"vocab_size": 200}), tokenizer_vocab=257)
+
+
+FLOPS_SHAPE = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "n_layers": 4}
+
+
+def test_flop_costs_by_hand():
+    """A block: 2·64·16·(4+2) + 3·64·128 = 36,864 matmul weights, 4·4·16·32 = 8,192 attention
+    FLOPs per token forward: 3·(2·36,864 + 8,192) = 245,760 per token trained; the head
+    6·64·1000 = 384,000, 1.5625 blocks; the lookup none."""
+    cfg = build_config({**FLOPS_SHAPE, "vocab_size": 1000, "seq_len": 32})
+    assert flop_costs(model_config(cfg, tokenizer_vocab=1000), seq_len=32) == (0.0, 1.5625)
+
+
+def test_partition_flops_resolves_into_stage_layers_and_blocks_stays_the_default():
+    settings = {**FLOPS_SHAPE, "vocab_size": 1000, "seq_len": 32, "stages": 2}
+    settings |= {"schedule": "2bw", "microbatches": 2, "batch_size": 2}
+    blocks = build_config(settings)
+    mc = model_config(blocks, tokenizer_vocab=1000)
+    assert resolve_partition(blocks, mc) is blocks  # the default rule: nothing to resolve
+    assert [len(s.blocks) for s in partition(4, 2)] == [2, 2]  # embed, head: a block each
+    flops = build_config({**settings, "partition": "flops"})
+    # stage 0: n blocks; stage 1: 4 - n blocks and the head's 1.5625: n = 3 gives max(3, 2.56)
+    assert resolve_partition(flops, mc).stage_layers == [3, 1]
+    given = build_config({**settings, "partition": "flops", "stage_layers": [1, 3]})
+    assert resolve_partition(given, mc) is given  # an explicit split wins

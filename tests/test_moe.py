@@ -10,11 +10,14 @@ import torch.nn.functional as F
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.flops import matmul_weights
-from nobubble.model import PRESETS, Stage, StageSpec, build_model, lm_loss, model_config
-from nobubble.moe import MoE, balance_routers, routing_metrics
+from nobubble.model.layers import Stage, build_model, lm_loss
+from nobubble.model.moe import MoE, balance_routers, routing_metrics
+from nobubble.model.partition import StageSpec
+from nobubble.model.presets import PRESETS
+from nobubble.model.resolve import model_config
 from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.muon import Muon
-from nobubble.optim.routing import Kind, classify
+from nobubble.optim.param_groups import Kind, classify
 from nobubble.planning.costs import stage_costs
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nobubble.optim import clip_grad_norm
+from nobubble.optim.clipping import clip_grad_norm
 
 
 def _params() -> list[torch.nn.Parameter]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.optim import build_optimizer
+from nobubble.optim.registry import build_optimizer
 
 A_MATRIX, A_GAIN = 2.0, 3.0
 

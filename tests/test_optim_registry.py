@@ -8,18 +8,18 @@ import zlib
 import pytest
 import torch
 
-from nobubble.config import FIELDS, RunFacts, TrainConfig
-from nobubble.model import PRESETS, build_model, lm_loss
-from nobubble.optim import (
-    OPTIMIZERS,
-    CompositeOptimizer,
-    ErrorFeedback,
-    Kind,
-    build_optimizer,
-    classify,
-    set_lr,
-)
+from nobubble.config import TrainConfig
+from nobubble.configure import resolve_config
+from nobubble.corrections.ef import ErrorFeedback
+from nobubble.model.layers import build_model, lm_loss
+from nobubble.model.presets import PRESETS
+from nobubble.optim.composite import CompositeOptimizer
 from nobubble.optim.expert_muon import ExpertMuon
+from nobubble.optim.lr_schedule import set_lr
+from nobubble.optim.param_groups import Kind, classify
+from nobubble.optim.registry import OPTIMIZERS, build_optimizer
+from nobubble.unused import READ_WHEN, RunFacts
+from nobubble.update import build_stage_optimizer
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
 # Same names and kinds as tiny, small enough to step every optimizer many times quickly.
@@ -180,7 +180,7 @@ def test_every_optimizer_fits_a_fixed_batch_on_tiny(optim: str, ef: bool) -> Non
     tokens = torch.randint(0, TINY.vocab_size, (2, 33))
     model = build_model(TINY)
     cfg = TrainConfig(optim=optim, lr=FIT_LR.get(optim, 3e-3), ef=ef)
-    opt = build_optimizer(list(model.named_parameters()), cfg)
+    opt = build_stage_optimizer(list(model.named_parameters()), cfg, delay=1)
     assert isinstance(opt, ErrorFeedback) == ef
     losses = []
     for _ in range(10):
@@ -209,8 +209,8 @@ def test_stage_subsets_update_like_the_whole_model(optim: str, ef: bool) -> None
     staged_named = list(staged.named_parameters())
     split = next(i for i, (n, _) in enumerate(staged_named) if n.startswith("blocks.1."))
     stages = [staged_named[:split], staged_named[split:]]  # embed + block 0 | block 1 + head
-    whole_opt = build_optimizer(whole_named, cfg)
-    stage_opts = [build_optimizer(named, cfg) for named in stages]
+    whole_opt = build_stage_optimizer(whole_named, cfg, delay=1)
+    stage_opts = [build_stage_optimizer(named, cfg, delay=1) for named in stages]
     for step in range(3):
         _set_grads(whole_named, step)
         _set_grads(staged_named, step)
@@ -234,7 +234,7 @@ def test_state_dict_resume_equals_uninterrupted_training(optim: str, ef: bool) -
     cfg = TrainConfig(optim=optim, lr=1e-2, ef=ef)
     model = build_model(SMALL)
     named = list(model.named_parameters())
-    opt = build_optimizer(named, cfg)
+    opt = build_stage_optimizer(named, cfg, delay=1)
     for step in range(4):
         _set_grads(named, step)
         opt.step()
@@ -244,7 +244,7 @@ def test_state_dict_resume_equals_uninterrupted_training(optim: str, ef: bool) -
     resumed = build_model(SMALL, seed=1)
     resumed.load_state_dict(saved_model)
     resumed_named = list(resumed.named_parameters())
-    resumed_opt = build_optimizer(resumed_named, cfg)
+    resumed_opt = build_stage_optimizer(resumed_named, cfg, delay=1)
     resumed_opt.load_state_dict(saved_opt)
     for step in range(4, 12):  # past SOAP's eigenbasis refresh at step 10
         for named_, opt_ in ((named, opt), (resumed_named, resumed_opt)):
@@ -266,18 +266,18 @@ class _Reads:
 
 
 def test_each_optimizer_and_correction_reads_the_settings_the_config_says_it_reads() -> None:
-    """config.py declares, beside each setting only some runs read, when it is read (what the
-    warnings about unused settings go by); here, for the optimizer's and the corrections'
-    settings, that declaration against what building the optimizer really reads."""
+    """The optimizer registry and the corrections declare the settings they read, which
+    nobubble.unused turns into when each is read (what the warnings about unused settings go
+    by); here that against what building a stage's optimizer really reads."""
     facts = RunFacts(moe=False, torchrun=False)
-    conditional = {key for key, spec in FIELDS.items() if spec.metadata["read_when"]}
+    conditional = set(READ_WHEN)
     cases = {}
     for optim in OPTIMIZERS:
         for correction in ("none", "ef", "nesterov", "dc"):
-            cfg = TrainConfig(optim=optim, correction=correction)
+            cfg = resolve_config(TrainConfig(optim=optim, correction=correction))
             reads = _Reads(cfg)
-            build_optimizer(list(build_model(SMALL).named_parameters()), reads)
-            said = {k for k in conditional if FIELDS[k].metadata["read_when"].holds(cfg, facts)}
+            build_stage_optimizer(list(build_model(SMALL).named_parameters()), reads, delay=1)
+            said = {k for k in conditional if READ_WHEN[k].holds(cfg, facts)}
             cases[optim, correction] = (reads.read & conditional, said)
     checked = set().union(*(read for read, _ in cases.values()))
     assert {"beta1", "beta3", "eps", "momentum", "nesterov", "ef_gamma", "dc_lambda"} <= checked

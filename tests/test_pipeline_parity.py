@@ -24,7 +24,7 @@ CASES = [
     (2, "pipedream", 1, ["optim=muon", "muon_ns_dtype=bfloat16"]),
     (3, "zb-h1", 4, ["optim=adamw"]),  # ranks 1 and 2 keep W's pending, run them later
     # M = 2P: rank 0 runs the next step's forwards while rank 1 still runs its kept-back W's;
-    # per-edge routes (NCCL's: a group per stage edge and channel, nobubble.pipeline.routes)
+    # per-edge routes (NCCL's: a group per stage edge and channel, nobubble.pipeline.links)
     (2, "zb-h2", 4, ["optim=adamw", "p2p_routes=per-edge"]),
     # two model stages per process (0, 2 and 1, 3): per-stage clipping over 4 stages, tied
     # copies on stages 0 and 3 (processes 0 and 1); per-edge routes with edges both ways

@@ -8,15 +8,16 @@ import json
 import pytest
 
 from nobubble.config import ConfigError
-from nobubble.model import ModelConfig
+from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
-from nobubble.planning import predict as predict_module
+from nobubble.planning import estimate as estimate_module
 from nobubble.planning.costs import stage_costs
-from nobubble.planning.grid import grid, synchronous_schedules
+from nobubble.planning.estimate import Plan, estimate, shape_problem
+from nobubble.planning.grid import grid
 from nobubble.planning.hardware import DEVICES, LINKS
-from nobubble.planning.predict import Plan, predict, shape_problem
 from nobubble.planning.shapes import PLANNING_SHAPES
 from nobubble.schedules import SCHEDULE_NAMES, generate
+from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
 
 SHAPE = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
                     vocab_size=100)  # fmt: skip
@@ -57,22 +58,22 @@ def stage_seconds(p: Plan, chunks: int = 1) -> list[float]:
 def test_2bw_runs_at_its_slowest_stage_and_1f1b_pays_a_fill_and_drain():
     p = plan()
     per_microbatch = stage_seconds(p)  # F + B of one microbatch per stage
-    two = predict(p, "2bw")
+    two = estimate(p, "2bw")
     assert two.step_s == pytest.approx(p.microbatches * max(per_microbatch), rel=1e-9)
     assert two.tokens_per_s == pytest.approx(8 * 2 * 32 / two.step_s)
-    one = predict(p, "1f1b")
+    one = estimate(p, "1f1b")
     assert one.step_s > two.step_s
     assert one.step_s >= (p.microbatches + p.stages - 1) * min(per_microbatch)
-    assert predict(p, "gpipe").peak_memory_gb > one.peak_memory_gb  # M activations vs P-s
+    assert estimate(p, "gpipe").peak_memory_gb > one.peak_memory_gb  # M activations vs P-s
 
 
 def test_memory_of_1f1b_first_rank_by_hand():
     p = plan()
     first = stage_costs(p.model, 4, p.seq_len, p.microbatch_size)[0]
     expected = first.parameters * (2 + 16) + 4 * first.activation_bytes  # 1 version, P in flight
-    assert predict(p, "1f1b").memory_gb[0] == pytest.approx(expected / 1e9)
+    assert estimate(p, "1f1b").memory_gb[0] == pytest.approx(expected / 1e9)
     two = stage_costs(p.model, 4, p.seq_len, p.microbatch_size)[0]
-    assert predict(p, "2bw").memory_gb[0] == pytest.approx(
+    assert estimate(p, "2bw").memory_gb[0] == pytest.approx(
         (two.parameters * (2 * 2 + 16) + 4 * two.activation_bytes) / 1e9
     )  # two weight versions
 
@@ -84,11 +85,11 @@ def test_the_allreduce_is_exposed_after_a_flush_and_hidden_under_2bw():
         p = plan(dp=4, allreduce=dataclasses.replace(LINKS["ib-ndr"], gb_per_s=gb_per_s))
         allreduce = [ring * 4 * c.parameters / (gb_per_s * 1e9) for c in costs]
         busy = [p.microbatches * t for t in stage_seconds(p)]
-        one, alone = predict(p, "1f1b"), predict(plan(), "1f1b")
+        one, alone = estimate(p, "1f1b"), estimate(plan(), "1f1b")
         assert one.exposed_allreduce_s == pytest.approx(max(allreduce))
         assert one.step_s == pytest.approx(alone.step_s + max(allreduce))
         hidden = max(max(a - b, 0.0) for a, b in zip(allreduce, busy, strict=True))
-        assert predict(p, "2bw").exposed_allreduce_s == pytest.approx(hidden)
+        assert estimate(p, "2bw").exposed_allreduce_s == pytest.approx(hidden)
         assert (hidden == 0.0) == (gb_per_s == 1e6)
 
 
@@ -133,10 +134,10 @@ def test_the_grid_compares_2bw_with_the_fastest_sync_schedule_at_each_shape():
     assert [(pt.stages, pt.microbatches) for pt in points] == [(2, 2), (2, 4), (4, 4), (4, 8)]
     for pt in points:
         p = plan(stages=pt.stages, microbatches=pt.microbatches)
-        assert pt.async_run == predict(p, "2bw")
-        assert {r.schedule for r in pt.sync_runs} == set(synchronous_schedules())  # 8 blocks
+        assert pt.async_run == estimate(p, "2bw")
+        assert {r.schedule for r in pt.sync_runs} == SYNCHRONOUS_SCHEDULES & set(PIPELINE_SCHEDULES)
         fastest = max(pt.sync_runs, key=lambda r: r.tokens_per_s)
-        assert pt.best_sync == fastest == predict(p, fastest.schedule)
+        assert pt.best_sync == fastest == estimate(p, fastest.schedule)
         fitting = [r for r in pt.sync_runs if r.peak_memory_gb <= pt.async_run.peak_memory_gb]
         assert pt.best_sync_within_memory == (fitting[0] if fitting else None)
         # free messages: 2bw's steady state has no bubble, every flushing schedule has one
@@ -198,17 +199,17 @@ def test_many_microbatches_are_extended_exactly_from_a_few_simulated(
             sizes.append(microbatches)
         return generate(schedule, stages, microbatches, steps, chunks)
 
-    monkeypatch.setattr(predict_module, "generate", recorded)
+    monkeypatch.setattr(estimate_module, "generate", recorded)
     for name in SCHEDULE_NAMES:
         if shape_problem(p, name):
             continue
-        monkeypatch.setattr(predict_module, "EXACT_MICROBATCHES", 8)
-        monkeypatch.setattr(predict_module, "EXACT_PER_STAGE", 1)
+        monkeypatch.setattr(estimate_module, "EXACT_MICROBATCHES", 8)
+        monkeypatch.setattr(estimate_module, "EXACT_PER_STAGE", 1)
         sizes.clear()
-        extended = predict(p, name)
+        extended = estimate(p, name)
         assert max(sizes) < microbatches, name
-        monkeypatch.setattr(predict_module, "EXACT_MICROBATCHES", 10**9)
-        simulated = predict(p, name)
+        monkeypatch.setattr(estimate_module, "EXACT_MICROBATCHES", 10**9)
+        simulated = estimate(p, name)
         assert extended.step_s == pytest.approx(simulated.step_s, rel=1e-9), name
         assert extended.memory_gb == pytest.approx(simulated.memory_gb, rel=1e-12), name
         assert extended.bubble == pytest.approx(simulated.bubble, rel=1e-9, abs=1e-12), name
@@ -225,26 +226,26 @@ def test_ten_million_microbatches_simulate_a_bounded_number(monkeypatch, capsys)
             raise AssertionError(f"simulated more than 200,000 microbatches: {simulated}")
         return generate(schedule, stages, microbatches, steps, chunks)
 
-    monkeypatch.setattr(predict_module, "generate", counted)
+    monkeypatch.setattr(estimate_module, "generate", counted)
     assert cli("--preset", "llama3-8b", "--stages", "4", "--microbatches", "10000000") == 0
     out = capsys.readouterr().out
-    assert all(f"| {name} |" in out for name in SCHEDULE_NAMES)
-    many = predict(uneven_plan("llama3-8b", 4, 50.0, 10**7), "2bw")
-    few = predict(uneven_plan("llama3-8b", 4, 50.0, 64), "2bw")
+    assert all(f"| {name} |" in out for name in PIPELINE_SCHEDULES)
+    many = estimate(uneven_plan("llama3-8b", 4, 50.0, 10**7), "2bw")
+    few = estimate(uneven_plan("llama3-8b", 4, 50.0, 64), "2bw")
     assert many.bubble < few.bubble  # 2bw's fill and drain are paid once per run
 
 
 def test_a_schedule_that_does_not_settle_names_the_largest_m(monkeypatch):
-    monkeypatch.setattr(predict_module, "STEADY_LIMIT", 8)  # below the first step simulated
+    monkeypatch.setattr(estimate_module, "STEADY_LIMIT", 8)  # below the first step simulated
     with pytest.raises(ConfigError, match="use --microbatches 160 or fewer"):  # 40 x 4 stages
-        predict(plan(microbatches=1000), "1f1b")
+        estimate(plan(microbatches=1000), "1f1b")
 
 
 def test_a_shape_no_schedule_can_run_says_so_not_that_none_fits(capsys):
     assert cli("--preset", "tiny", "--stages", "1000") == 1
     out = capsys.readouterr().out
     assert "| schedule |" not in out  # no empty table
-    assert out.count("not predicted: ") == len(SCHEDULE_NAMES)
+    assert out.count("not predicted: ") == len(PIPELINE_SCHEDULES)
     assert out.splitlines()[-1] == (
         "no schedule could be predicted for P=1000, M=16: none can run this shape (each one's "
         "reason is above)"

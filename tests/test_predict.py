@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nobubble.config import ConfigError, build_config
-from nobubble.delay import stage_delays
-from nobubble.simulated import DelayedTrainer
+from nobubble.config import ConfigError
+from nobubble.configure import build_config
+from nobubble.one_process import DelayedTrainer
+from nobubble.runfolder import run_name
+from nobubble.schedules.registry import schedule_spec
 from tests.pipeline_helpers import assert_same_run, losses
 from tests.test_delay_exact import adamw_update, column, quadratic_trainer, run
 from tests.test_resume import cut_back_to, resume, train
@@ -47,7 +49,7 @@ def test_sgd_2bw_runs_at_the_prediction_and_updates_the_true_weights():
 
 
 def test_pipedream_extrapolates_over_each_stage_delay():
-    trainer = quadratic_trainer(stage_delays("pipedream", 3), correction="predict")
+    trainer = quadratic_trainer(schedule_spec("pipedream").delays(3), correction="predict")
     seen = points_seen(trainer)
     history = run(trainer, 5)
     # delay 2: ŵ[t] = w[c] + 2·(w[c] - w[c-1]), c = t-2; w[t+1] = w[t] - 0.5·ŵ[t]
@@ -121,12 +123,12 @@ def test_the_prediction_never_uses_an_update_not_computed_yet():
 
 def test_a_stage_holds_one_more_version_and_nothing_else():
     for schedule, stages, held in [("2bw", 3, [3, 3, 3]), ("pipedream", 3, [4, 3, 1])]:
-        trainer = quadratic_trainer(stage_delays(schedule, stages), correction="predict")
+        trainer = quadratic_trainer(schedule_spec(schedule).delays(stages), correction="predict")
         for _ in range(5):
             trainer.train_step([torch.zeros(1)])
         # versions t-d-1 .. t between steps; no prediction and no spare buffer left behind
         assert [len(store.held()) for store in trainer.stores] == held
-        assert [point.copies() for point in trainer.points] == held
+        assert [stage.point.copies() for stage in trainer.stages] == held
         assert [store.free for store in trainer.stores] == [[]] * stages
 
 
@@ -148,7 +150,7 @@ def test_predict_without_a_delay_is_refused(settings, error):
 
 def test_predict_combines_with_ef():
     cfg = build_config({"schedule": "2bw", "correction": "ef+predict"})
-    assert cfg.run_name().startswith("tiny-adamw-2bw-ef-predict-")
+    assert run_name(cfg).startswith("tiny-adamw-2bw-ef-predict-")
 
 
 # -- the training loop: checkpoints and resume ----------------------------------------------------

@@ -350,3 +350,14 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(runs_dir, 
     taken.write_text("a file")
     with pytest.raises(ConfigError, match=re.escape(f"--out {taken}: {taken} is not a folder")):
         call(str(runs_dir), "--out", str(taken))
+
+
+def test_runs_of_earlier_versions_group_with_new_ones_whatever_chunks_they_saved(tmp_path):
+    """Earlier versions saved chunks null (the schedule's default); now it is resolved before it
+    is saved. The report reads both as the schedule's chunks, so they are one group of seeds."""
+    root = tmp_path / "runs"
+    make_run(root, 2.0, schedule="interleaved-1f1b", stages=2, microbatches=2, seed=0)
+    make_run(root, 2.2, schedule="interleaved-1f1b", stages=2, microbatches=2, seed=1, chunks=2)
+    runs, _ = discover([root])
+    (group,) = group_runs(runs)
+    assert len(group.runs) == 2 and group.settings["chunks"] == 2

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 
-from nobubble.checkpoint import verify_checkpoint
+from nobubble.checkpoint.files import verify_checkpoint
 from nobubble.cli import main
-from nobubble.simulated import SimulatedEngine
+from nobubble.one_process import OneProcessEngine
 from tests.pipeline_helpers import SMALL, assert_same_run, metrics, snapshot
 
 
@@ -234,14 +234,14 @@ def test_training_time_adds_up_over_resumes(tmp_path):
 
 def stop_at_step(monkeypatch, step: int, stop) -> None:
     """Make training stop with ``stop()`` when the engine reaches ``step`` (a segment later)."""
-    train_segment = SimulatedEngine.run_steps
+    train_segment = OneProcessEngine.run_steps
 
     def run_steps(self, until, *args):
         if self.step >= step:
             stop()
         return train_segment(self, until, *args)
 
-    monkeypatch.setattr(SimulatedEngine, "run_steps", run_steps)
+    monkeypatch.setattr(OneProcessEngine, "run_steps", run_steps)
 
 
 def summary_of(run) -> dict:

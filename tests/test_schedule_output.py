@@ -23,6 +23,7 @@ from nobubble.schedules import (
 )
 from nobubble.schedules import cli as schedule_cli
 from nobubble.schedules.cli import add_arguments, run
+from nobubble.schedules.registry import PIPELINE_SCHEDULES
 
 
 def result_of(schedule: str, p: int = 3, m: int = 4, steps: int = 2):
@@ -107,7 +108,7 @@ def test_cli_text_png_and_trace(tmp_path, capsys):
 def test_cli_all_compares_every_schedule(capsys):
     assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--steps", "2") == 0
     out = capsys.readouterr().out
-    one_stage = [n for n in SCHEDULE_NAMES if not schedule_spec(n).interleaved]
+    one_stage = [n for n in PIPELINE_SCHEDULES if not schedule_spec(n).interleaved]
     assert out.count("s0 F0v0") == len(one_stage)  # a grid per schedule with one stage per rank
     assert out.count("r0 F0.0v0") == 1  # interleaved-1f1b: rank 0 runs stages 0 and 2
     assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--no-grid") == 0
@@ -116,7 +117,7 @@ def test_cli_all_compares_every_schedule(capsys):
     assert "| schedule | makespan | bubble |" in out
     assert "| 2bw | 21 | 14.3% | 0.286 | [2, 1] | [2, 2] |" in out  # 3 steps by default
     assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--json") == 0
-    assert list(json.loads(capsys.readouterr().out)) == list(SCHEDULE_NAMES)
+    assert list(json.loads(capsys.readouterr().out)) == list(PIPELINE_SCHEDULES)
 
 
 def error_line(capsys, *argv: str) -> str:

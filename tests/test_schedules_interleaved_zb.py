@@ -15,7 +15,7 @@ from nobubble.schedules import (
     simulate,
 )
 from nobubble.schedules.ir import stage_ranks
-from nobubble.schedules.simulator import split_rank_times
+from nobubble.schedules.timing import split_rank_times
 
 K = ActionKind
 

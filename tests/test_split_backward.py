@@ -7,10 +7,13 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from nobubble.config import ConfigError, TrainConfig, validate
-from nobubble.model import PRESETS, Stage, partition
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import resolve_config
+from nobubble.model.layers import Stage
+from nobubble.model.partition import partition
+from nobubble.model.presets import PRESETS
 from nobubble.pipeline.split_backward import SplitBackward
-from nobubble.simulated import autocast
+from nobubble.stage_options import autocast
 
 MC = dataclasses.replace(
     PRESETS["tiny"], d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64
@@ -73,4 +76,4 @@ def test_split_backward_refuses_recomputation_and_compile():
     common = {"schedule": "zb-h1", "stages": 2, "microbatches": 2, "batch_size": 2}
     for option in ("activation_checkpointing", "compile"):
         with pytest.raises(ConfigError, match="set activation_checkpointing=false and compile"):
-            validate(TrainConfig(**common, **{option: True}))
+            resolve_config(TrainConfig(**common, **{option: True}))

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from nobubble.cli import main
-from nobubble.config import ConfigError, TrainConfig, build_config
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config, resolve_config
 from nobubble.data.tokenizer import load_tokenizer
-from nobubble.model import PRESETS, build_model, model_config
-from nobubble.simulated import SimulatedEngine
+from nobubble.model.layers import build_model
+from nobubble.model.presets import PRESETS
+from nobubble.model.resolve import model_config
+from nobubble.one_process import OneProcessEngine
 from nobubble.stage_options import check_compilable
 from tests.pipeline_helpers import SMALL, assert_same_run, final_weights, metrics, nobubble
 
@@ -26,7 +29,8 @@ def simulate(**settings):
     """Losses and newest weights of STEPS simulated steps, and how often a block began a forward
     (a recomputation stops once it has what the backward needs)."""
     cfg = TrainConfig(batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1, steps=STEPS, **settings)
-    engine = SimulatedEngine(cfg, MC, torch.device("cpu"))
+    cfg = resolve_config(cfg)
+    engine = OneProcessEngine(cfg, MC, torch.device("cpu"))
     calls = []
     engine.model.blocks["0"].register_forward_pre_hook(lambda *_: calls.append(1))
     gen = torch.Generator().manual_seed(0)

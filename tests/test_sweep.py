@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nobubble.cli import main
-from nobubble.config import build_config
+from nobubble.configure import build_config
 from nobubble.reporting import cli as report
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nobubble.config import ConfigError, build_config, load_toml
+from nobubble.config import ConfigError, load_toml
+from nobubble.configure import build_config
+from nobubble.runfolder import run_name
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.best import Pending
 from nobubble.sweeping.grid import SweepError, load_sweep
@@ -408,7 +410,7 @@ def test_a_grid_varies_the_delay_correction(tmp_path):
         plan(spec, "", {})
     spec = load_sweep(write(tmp_path, text))
     runs = plan(spec, "", {})
-    assert [r.config.run_name().split("-p1")[0] for r in runs] == [
+    assert [run_name(r.config).split("-p1")[0] for r in runs] == [
         "tiny-adamw-2bw",
         "tiny-adamw-2bw-ef",
         "tiny-adamw-2bw-nesterov",

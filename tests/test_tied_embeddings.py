@@ -16,14 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nobubble.config import ConfigError, TrainConfig, build_config
-from nobubble.model import TIED_WEIGHT, build_model, lm_loss, partition
-from nobubble.optim import build_optimizer, lr_at, set_lr
-from nobubble.simulated import DelayedTrainer, SimulatedEngine
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config
+from nobubble.model.layers import build_model, lm_loss
+from nobubble.model.partition import TIED_WEIGHT, partition
+from nobubble.one_process import DelayedTrainer, OneProcessEngine
+from nobubble.optim.lr_schedule import lr_at, set_lr
+from nobubble.optim.registry import build_optimizer
 from tests.pipeline_helpers import assert_same_run, losses, nobubble
 from tests.test_checkpoint_names import CONSTANT, launch, resume, train
 from tests.test_data_parallel import assert_close_runs
-from tests.test_simulated import plain_step
+from tests.test_one_process import plain_step
 
 # -- the rule, by hand ---------------------------------------------------------------------------
 
@@ -32,12 +35,18 @@ def toy_trainer(c_head, grad_clip=0.0, delays=(0, 0)):
     """Two stages: the first holds the tied weight ``w`` and ``a``, the last a copy of ``w`` and
     ``b``. The loss is linear, so every gradient is a constant: w's embedding use gets
     (1, 1), its head use ``c_head``, a gets (0.3, 0.4), b gets (6, 8). SGD with lr 1."""
-    cfg = TrainConfig(lr=1.0, lr_schedule="constant", warmup_steps=0, grad_clip=grad_clip)
+    cfg = TrainConfig(
+        optim="sgd",
+        momentum=0.0,
+        lr=1.0,
+        lr_schedule="constant",
+        warmup_steps=0,
+        grad_clip=grad_clip,
+    )
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     a = torch.nn.Parameter(torch.tensor([0.5, 0.5]))
     b = torch.nn.Parameter(torch.tensor([-1.0, 1.0]))
     copy_of_w = torch.nn.Parameter(w.detach().clone())
-    optimizer = torch.optim.SGD([w, a, b], lr=1.0)
 
     def micro_loss(weights, micro):
         head = torch.tensor(c_head)
@@ -49,7 +58,7 @@ def toy_trainer(c_head, grad_clip=0.0, delays=(0, 0)):
         ) * micro
 
     stages = [{"w": w, "a": a}, {"w": copy_of_w, "b": b}]
-    trainer = DelayedTrainer(stages, delays, optimizer, micro_loss, cfg, tied=("w", "w@head"))
+    trainer = DelayedTrainer(stages, delays, micro_loss, cfg, tied=("w", "w@head"))
     return trainer, (w, a, b, copy_of_w)
 
 
@@ -112,7 +121,7 @@ def test_under_2bw_both_uses_read_the_same_old_version():
 
 def config(**overrides) -> TrainConfig:
     base = dict(batch_size=4, microbatches=2, seq_len=16, lr=1e-2, warmup_steps=2, steps=4)
-    return TrainConfig(**{**base, "tie_embeddings": True, **overrides})
+    return TrainConfig(**{**base, "tie_embeddings": True, "chunks": 1, **overrides})
 
 
 def batches(mc, cfg, n=4):
@@ -122,7 +131,7 @@ def batches(mc, cfg, n=4):
 
 
 def run_engine(cfg, mc, data):
-    engine = SimulatedEngine(cfg, mc, torch.device("cpu"))
+    engine = OneProcessEngine(cfg, mc, torch.device("cpu"))
     out = []
     feed = iter(data)
     engine.run_steps(len(data), lambda: next(feed), out.append)
@@ -255,7 +264,7 @@ def assert_copies_equal(run, stages):
             for key in mine:
                 assert torch.equal(first[key], last[key]), f"{checkpoint.name}: {key} differs"
     reports = json.loads((run / "summary.json").read_text())["stages"]
-    digests = {r["stage"]: r.get("tied_sha256") for r in reports}
+    digests = {r["pp_rank"]: r.get("tied_sha256") for r in reports}
     assert digests[0] is not None and digests[0] == digests[stages - 1]
     assert all(digests[s] is None for s in range(1, stages - 1))
 
@@ -286,7 +295,7 @@ def test_tied_pipeline_with_replicas_equals_one_process(tmp_path):
     reports = json.loads((tmp_path / "dp" / "summary.json").read_text())["stages"]
     assert len({r["tied_sha256"] for r in reports}) == 1 and len(reports) == 4
     for stage in (0, 1):
-        assert len({r["weights_sha256"] for r in reports if r["stage"] == stage}) == 1
+        assert len({r["weights_sha256"] for r in reports if r["pp_rank"] == stage}) == 1
 
 
 TIED_2BW = [*CONSTANT, "tie_embeddings=true", "schedule=2bw", "microbatches=4", "grad_clip=0"]

@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 
 from nobubble.cli import main
-from nobubble.config import build_config
+from nobubble.configure import build_config
 from nobubble.data import load_tokenizer
 from nobubble.flops import flops_per_token
-from nobubble.model import PRESETS, model_config
+from nobubble.model.presets import PRESETS
+from nobubble.model.resolve import model_config
+from nobubble.run.steplog import StepLogger
+from nobubble.run.summary import summary_line
 from nobubble.tracking import TensorBoardLogger, stage_scalars
-from nobubble.train import StepLogger, summary_line
 from tests.pipeline_helpers import SMALL, metrics, run_train
 from tests.test_resume import cut_back_to
 
@@ -181,8 +183,8 @@ def test_loggers_are_closed_however_the_run_ends(tmp_path, monkeypatch, ending):
     )
     on_step = StepLogger.on_step
 
-    def step_then(self, stats):
-        on_step(self, stats)
+    def step_then(self, stats, last=False):
+        on_step(self, stats, last)
         if stats.step + 1 == 2:
             if ending == "error":
                 raise RuntimeError("a bug at step 2")
@@ -202,7 +204,10 @@ def test_loggers_are_closed_however_the_run_ends(tmp_path, monkeypatch, ending):
 
 
 def test_stage_scalars_are_named_by_stage_and_replica():
-    report = {"stage": 1, "replica": 0, "blocks": 2, "idle_fraction": 0.25, "weights_sha256": "ab"}
+    """``stage{p}``: the pipeline rank, the name the scalars had before reports called it
+    ``pp_rank``; what names the process (its model stages too) is no scalar."""
+    report = {"pp_rank": 1, "model_stages": [1, 3], "replica": 0, "blocks": 2}
+    report |= {"idle_fraction": 0.25, "weights_sha256": "ab"}
     assert stage_scalars([report]) == {"stage1/idle_fraction": 0.25}
     second = {**report, "replica": 1, "idle_fraction": 0.5}
     assert stage_scalars([report, second]) == {
@@ -272,13 +277,13 @@ def test_a_pipeline_run_logs_per_stage_scalars_and_ends_with_the_summary_line(tm
     summary = json.loads((run / "summary.json").read_text())
     for report in summary["stages"]:
         for measure in ("idle_fraction", "peak_mem_mb", "weight_versions_peak", "param_mb"):
-            logged = scalars[f"stage{report['stage']}/{measure}"]
+            logged = scalars[f"stage{report['pp_rank']}/{measure}"]
             assert [step for step, _ in logged] == [2, 4]  # at the evaluation, at the end
             assert logged[-1][1] == np.float32(report[measure])
         assert report["weight_versions_peak"] == 2  # 2bw
         # the time of each kind of action, blocked time left out (the cost model's F:B split)
         (times,) = report["action_s"].values()
-        assert list(report["action_s"]) == [str(report["stage"])]
+        assert list(report["action_s"]) == [str(report["pp_rank"])]
         assert {"F", "B", "STEP"} <= times.keys() and min(times.values()) > 0
         assert sum(times.values()) < report["train_wall_s"] - report["idle_s"]
     last = done.stdout.splitlines()[-1]

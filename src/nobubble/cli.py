@@ -1,4 +1,5 @@
-"""``nobubble train | schedule``: the command line.
+"""``nobubble``: the command line (train, and the tools: schedule, sweep, report, bench, export,
+eval, plan).
 
 Every field of :class:`nobubble.config.TrainConfig` is a flag (``--batch-size 32``; booleans also
 ``--no-ef``) and a ``key=value`` override; ``--config FILE.toml`` supplies a base layer.
@@ -7,26 +8,17 @@ Every field of :class:`nobubble.config.TrainConfig` is a flag (``--batch-size 32
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
-import typing
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from nobubble.config import (
-    FIELDS,
-    ConfigError,
-    RunFacts,
-    TrainConfig,
-    UnusedSettingWarning,
-    build_config,
-    load_toml,
-    parse_overrides,
-    unused_settings,
-)
-
-_HINTS = typing.get_type_hints(TrainConfig)
+from nobubble.config import FIELDS, HINTS, ConfigError, TrainConfig, load_toml, parse_overrides
+from nobubble.configure import REGISTRY_NAMES, build_config
+from nobubble.model.resolve import model_config
+from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
 
 
 class AnyOrderParser(argparse.ArgumentParser):
@@ -55,14 +47,21 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _choices(field: dataclasses.Field) -> str:
+    """``one of: a, b; `` for a setting of fixed words or of a registry's names."""
+    registry = field.metadata["registry"]
+    options = REGISTRY_NAMES[registry] if registry else field.metadata["choices"]
+    return f"one of: {', '.join(options)}; " if options else ""
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="base configuration file")
     group = parser.add_argument_group("configuration (also settable as key=value)")
     for name, field in FIELDS.items():
-        when = field.metadata["read_when"]
+        when = READ_WHEN.get(name)
         read = f"; read only when {when.when}" if when else ""
-        help_text = f"{field.metadata['help']} (default: {field.default}{read})"
-        if _HINTS[name] in (bool, bool | None):
+        help_text = f"{field.metadata['help']} ({_choices(field)}default: {field.default}{read})"
+        if HINTS[name] in (bool, bool | None):
             group.add_argument(
                 _flag(name),
                 dest=name,
@@ -104,8 +103,6 @@ def chosen_keys(layers: Sequence[dict]) -> set[str]:
 
 def warn_unused_settings(cfg: TrainConfig, chosen: set[str], torchrun: bool) -> None:
     """Warn about each of the ``chosen`` settings that this run never reads."""
-    from nobubble.model import model_config
-
     facts = RunFacts(moe=bool(model_config(cfg, tokenizer_vocab=1).moe_blocks()), torchrun=torchrun)
     for message in unused_settings(cfg, chosen, facts).values():
         warnings.warn(message, UnusedSettingWarning, stacklevel=2)
@@ -113,18 +110,17 @@ def warn_unused_settings(cfg: TrainConfig, chosen: set[str], torchrun: bool) -> 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from nobubble.interrupt import Interrupted
-    from nobubble.pipeline.launch import launched_by_torchrun, train_pipeline
     from nobubble.resume import RunFinished, resumed_config
-    from nobubble.train import train
+    from nobubble.run.torchrun import launched_by_torchrun
+    from nobubble.run.train import train
 
     layers, torchrun = config_layers(args), launched_by_torchrun()
     cfg = resumed_config(Path(args.resume), *layers) if args.resume else build_config(*layers)
     if os.environ.get("RANK", "0") == "0":  # one warning, not one per pipeline stage
         # a resumed run's saved settings are no layer: only what is given now is named
         warn_unused_settings(cfg, chosen_keys(layers), torchrun)
-    run = train_pipeline if torchrun else train
     try:
-        run(cfg, args.overwrite, resume=bool(args.resume), auto_resume=args.auto_resume)
+        train(cfg, args.overwrite, resume=bool(args.resume), auto_resume=args.auto_resume)
     except RunFinished as finished:
         if os.environ.get("RANK", "0") == "0":  # one line, not one per pipeline stage
             print(f"nobubble: {finished}")
@@ -150,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=AnyOrderParser)
 
     train_parser = commands.add_parser(
-        "train", help="train a model (one process: simulation; under torchrun: the pipeline)"
+        "train",
+        help="train a model (one process: the one-process engine; under torchrun: the pipeline)",
     )
     add_config_arguments(train_parser)
     run_folder = train_parser.add_mutually_exclusive_group()
@@ -189,11 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from nobubble.checkpoint import CheckpointError
+    from nobubble.checkpoint.files import CheckpointError
     from nobubble.data import DataError
     from nobubble.pipeline.comm import PeerFailure
+    from nobubble.run.errors import TrainingError
     from nobubble.schedules import ScheduleError
-    from nobubble.train import TrainingError
 
     return (ConfigError, DataError, TrainingError, CheckpointError, ScheduleError, PeerFailure)
 

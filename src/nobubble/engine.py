@@ -5,16 +5,13 @@ from __future__ import annotations
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
-from nobubble.moe import Routing
-
-if TYPE_CHECKING:
-    from nobubble.profiling import NoProfiler, StepProfiler
+from nobubble.model.moe import Routing
 
 
 @dataclass
@@ -24,17 +21,26 @@ class StepStats:
     grad_norm: float  # sqrt of the sum of the stages' squared norms, before clipping
     lr: float
     skipped_stages: list[int] = field(default_factory=list)
-    routing: Routing = field(default_factory=dict)  # MoE blocks' routing sums (nobubble.moe)
+    routing: Routing = field(default_factory=dict)  # MoE blocks' routing sums (nobubble.model.moe)
+
+
+class StepHooks(Protocol):
+    """Told before a step's first action and once its update is applied (the profiler of
+    ``profile_steps``, :mod:`nobubble.profiling`, or one that does nothing)."""
+
+    def before_step(self, step: int) -> None: ...
+
+    def after_step(self, step: int) -> None: ...
 
 
 class Engine(Protocol):
-    """A backend that trains: the single-process simulator or one rank of the pipeline."""
+    """A backend that trains: the one-process engine or one rank of the pipeline."""
 
     step: int
     layout: ParallelLayout  # this process's place: its stage, replica, shard, whether it leads
     device: torch.device
     # told before a step's first action and once its update is applied (profile_steps)
-    profiler: StepProfiler | NoProfiler
+    profiler: StepHooks
 
     def barrier(self) -> None:
         """Wait for every rank (a no-op in one process)."""

@@ -1,12 +1,14 @@
-"""Reading the files nobubble keeps (JSON records, JSON-lines logs), any of which may have been
-damaged since: cut short by a full disk or a hard kill, overwritten with other bytes, replaced by
-a folder, or deleted. A damaged file is :class:`DamagedFile`, one line naming the file, what is
-wrong with it and what to do; never a traceback.
+"""The files nobubble keeps (JSON records, JSON-lines logs): written atomically, and read knowing
+that any of them may have been damaged since: cut short by a full disk or a hard kill,
+overwritten with other bytes, replaced by a folder, or deleted. A damaged file is
+:class:`DamagedFile`, one line naming the file, what is wrong with it and what to do; never a
+traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +78,14 @@ def read_json_lines(path: Path, fix: str) -> tuple[list[tuple[str, dict[str, Any
         else:
             bad += 1
     return records, bad
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON to ``path`` so that readers see the old file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

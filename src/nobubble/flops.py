@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nobubble.model import ModelConfig
+from nobubble.model.presets import ModelConfig
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peaks, TFLOP/s: NVIDIA's datasheets give them "with
 # sparsity", twice the dense figure: H100 SXM and H200 SXM 1,979; H100 PCIe 1,513; H100 NVL and
@@ -70,10 +70,22 @@ def matmul_weights(mc: ModelConfig) -> int:
     return blocks + mc.d_model * mc.vocab_size
 
 
+def block_flops(mc: ModelConfig, block: int, seq_len: int) -> int:
+    """Model FLOPs of training one token through block ``block`` (forward + backward)."""
+    attention = 4 * mc.n_heads * mc.head_dim * seq_len  # forward, per token
+    return 3 * (2 * block_matmul_weights(mc, block) + attention)
+
+
+def head_flops(mc: ModelConfig) -> int:
+    """Model FLOPs of training one token through the head (forward + backward)."""
+    return 3 * 2 * mc.d_model * mc.vocab_size
+
+
 def flops_per_token(mc: ModelConfig, seq_len: int) -> int:
-    """Model FLOPs of training on one token (forward + backward) in sequences of ``seq_len``."""
-    attention = 4 * mc.n_layers * mc.n_heads * mc.head_dim * seq_len  # forward, per token
-    return 3 * (2 * matmul_weights(mc) + attention)
+    """Model FLOPs of training on one token (forward + backward) in sequences of ``seq_len``;
+    the embedding's lookup counts none."""
+    blocks = sum(block_flops(mc, i, seq_len) for i in range(mc.n_layers))
+    return blocks + head_flops(mc)
 
 
 def table_peak(device_name: str) -> tuple[str, float] | None:

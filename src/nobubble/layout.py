@@ -6,11 +6,6 @@ innermost::
 
     rank = pp_rank * dp + replica
 
-With ``chunks`` v > 1 (interleaved schedules' virtual stages) the model is cut into P·v model
-stages and the process at pipeline position r holds model stages r, P + r, ..., (v-1)·P + r, as
-in Megatron-LM; messages and the schedule's actions name model stages, and :meth:`rank_of` maps a
-model stage to its process.
-
 which is the row-major order of ``init_device_mesh(device, (pp, dp), mesh_dim_names=("pp",
 "dp"))``, as in torchtitan and Megatron-LM (pipeline outermost). Why: the replicas of one stage
 all-reduce that stage's whole gradient every step, while neighbouring stages exchange one
@@ -19,9 +14,15 @@ microbatch's activations or gradients at a time, far fewer bytes for a model of 
 a multiple of ``dp`` processes, so the heavier traffic gets the faster links (NVLink) and only the
 pipeline's messages cross nodes. With ``dp = 1`` and one chunk, rank == stage.
 
+With ``chunks`` v > 1 (interleaved schedules' virtual stages) the model is cut into P·v model
+stages and the process at pipeline position r holds model stages r, P + r, ..., (v-1)·P + r, as
+in Megatron-LM; messages and the schedule's actions name model stages, and :meth:`rank_of` maps a
+model stage to its process. The layout is the one home of the count of model stages
+(:attr:`model_stages`, built from a config by :meth:`ParallelLayout.of`).
+
 Everything that needs "my stage", a neighbour, the logging rank or a checkpoint shard asks the
-layout; its maps are pure (no process group needed). In the single-process simulator a layout is
-a description only.
+layout; its maps are pure (no process group needed). In the one-process engine a layout is a
+description only.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nobubble.config import ConfigError
+from nobubble.config import ConfigError, TrainConfig
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -55,6 +56,14 @@ class ParallelLayout:
                 f"chunks={self.chunks})"
             )
         self._check_rank(self.rank)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, rank: int = 0) -> ParallelLayout:
+        """The layout ``cfg`` asks for, seen from ``rank`` (as a description, rank 0 will do);
+        ``chunks`` must be resolved (:func:`nobubble.configure.build_config` does)."""
+        if cfg.chunks is None:
+            raise ValueError("chunks is not resolved: build the config with build_config")
+        return cls(cfg.stages, cfg.dp, rank, cfg.chunks)
 
     @classmethod
     def from_world(cls, pp: int, dp: int, rank: int, world: int, chunks: int = 1) -> ParallelLayout:

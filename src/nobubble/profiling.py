@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,11 +37,9 @@ from torch.profiler import ProfilerActivity, record_function
 from tqdm import tqdm
 
 from nobubble.config import TrainConfig, profile_range
+from nobubble.engine import Engine
+from nobubble.layout import ParallelLayout
 from nobubble.schedules.ir import Action, ActionKind
-
-if TYPE_CHECKING:
-    from nobubble.engine import Engine
-    from nobubble.layout import ParallelLayout
 
 PROFILE_DIR = "profile"
 RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)

@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from nobubble.checkpoint import (
+from nobubble.checkpoint.files import (
     CheckpointError,
     check_format,
     checkpoint_folders,
@@ -29,30 +29,22 @@ from nobubble.checkpoint import (
     sha256,
     verify_checkpoint,
 )
-from nobubble.config import FIELDS, ConfigError, TrainConfig, build_config
-from nobubble.delay import stage_delays
-from nobubble.files import DamagedFile, read_json_lines, read_json_object
-from nobubble.runfolder import (
-    NewRun,
-    RunFolder,
-    holds_files,
-    run_path,
-    tidy_leftovers,
-    write_json_atomic,
-)
+from nobubble.config import FIELDS, ConfigError, TrainConfig
+from nobubble.config.fields import FREE
+from nobubble.config.fields import LAYOUT as LAYOUT_CHANGE
+from nobubble.configure import build_config
+from nobubble.files import DamagedFile, read_json_lines, read_json_object, write_json_atomic
+from nobubble.layout import ParallelLayout
+from nobubble.model.partition import stage_specs
+from nobubble.model.resolve import model_config
+from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, tidy_leftovers
+from nobubble.schedules.registry import schedule_spec
 from nobubble.tracking import require_loggers
 
-SAFE_TO_CHANGE = frozenset(
-    {
-        "steps", "eval_every", "eval_batches", "log_every", "checkpoint_every",
-        "keep_checkpoints", "out", "name", "progress", "threads", "p2p_timeout_s", "p2p_routes",
-        "nonfinite_patience", "device", "logger", "wandb_project", "wandb_mode", "peak_tflops",
-        "profile_steps", "compile", "activation_checkpointing", "init_from", "muon_ns_dtype",
-    }
-)  # fmt: skip
-
-# The parallel layout: may change on resume where each parameter keeps its gradient delay.
-LAYOUT = frozenset({"stages", "chunks", "stage_layers", "embed_cost", "head_cost", "dp"})
+# What a continued run may change: the settings that change no step's result, and the parallel
+# layout where each parameter keeps its gradient delay (each field says which: config/fields.py).
+SAFE_TO_CHANGE = frozenset(key for key, f in FIELDS.items() if f.metadata["resume"] == FREE)
+LAYOUT = frozenset(key for key, f in FIELDS.items() if f.metadata["resume"] == LAYOUT_CHANGE)
 
 # Why a field cannot change, where the generic "it would be another run" says too little.
 WHY_NOT = {
@@ -128,12 +120,9 @@ def _layout_changes(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
 
 def unit_stages(cfg: TrainConfig) -> dict[str, int]:
     """The stage of every part of the model (the embedding, each block, the head) under ``cfg``."""
-    from nobubble.model import model_config, partition
-
     mc = model_config(cfg, tokenizer_vocab=1)  # the split does not depend on the vocabulary
     owner: dict[str, int] = {}
-    stages = cfg.model_stages()
-    for spec in partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers):
+    for spec in stage_specs(cfg, mc):
         if spec.has_embed:
             owner["the embedding"] = spec.index
         owner.update({f"block {block}": spec.index for block in spec.blocks})
@@ -155,8 +144,8 @@ def check_layout_change(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> 
         for key in ("stages", "chunks", "stage_layers", "embed_cost", "head_cost")
         if key == "stages" or getattr(saved, key) != getattr(cfg, key)
     )
-    old_delay = stage_delays(saved.schedule, saved.model_stages())
-    new_delay = stage_delays(cfg.schedule, cfg.model_stages())
+    old_delay = schedule_spec(saved.schedule).delays(ParallelLayout.of(saved).model_stages)
+    new_delay = schedule_spec(cfg.schedule).delays(ParallelLayout.of(cfg).model_stages)
     for unit, stage in old_stage.items():
         before, after = old_delay[stage], new_delay[new_stage[unit]]
         if before != after:
@@ -181,8 +170,8 @@ def split_change_note(saved: TrainConfig, cfg: TrainConfig, step: int) -> str | 
         return None
     return (
         f"gradients are clipped per stage (grad_clip={cfg.grad_clip}), so from step {step} on "
-        f"they are clipped over the {cfg.model_stages()} new stages, not the "
-        f"{saved.model_stages()} of the run "
+        f"they are clipped over the {ParallelLayout.of(cfg).model_stages} new stages, not the "
+        f"{ParallelLayout.of(saved).model_stages} of the run "
         "so far: the continuation is exactly what the new split computes from the checkpoint, "
         "but not what the old split would have computed (set grad_clip=0 at the start of a run "
         "for a clip-free run that can change its split without any difference)"

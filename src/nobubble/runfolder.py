@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import ConfigError, TrainConfig
-from nobubble.files import DamagedFile, read_json_object
+from nobubble.corrections.registry import chosen
+from nobubble.files import DamagedFile, read_json_object, write_json_atomic
 
 # Why a run stopped, as summary.json records it under "stopped".
 FINISHED = "finished"  # it trained all its steps
@@ -34,19 +35,18 @@ ERROR = "error"  # an error stopped it (its message is in "reason")
 STOPS = (FINISHED, SIGNAL, NON_FINITE, ERROR)
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to ``path`` so that readers see the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def run_name(cfg: TrainConfig) -> str:
+    """``name``, or one made of the settings that tell runs apart (preset, optimizer, schedule,
+    corrections, stages, dp, seed)."""
+    if cfg.name:
+        return cfg.name
+    corrections = "".join(f"-{name}" for name in chosen(cfg))
+    dp = f"-dp{cfg.dp}" if cfg.dp > 1 else ""
+    return f"{cfg.preset}-{cfg.optim}-{cfg.schedule}{corrections}-p{cfg.stages}{dp}-s{cfg.seed}"
 
 
 def default_run_dir(cfg: TrainConfig) -> Path:
-    name = cfg.run_name()
+    name = run_name(cfg)
     if "/" in name or "\0" in name:
         raise ConfigError(
             f"name={name!r} is not a plain folder name: without --out the run folder is "

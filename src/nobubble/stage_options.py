@@ -1,16 +1,20 @@
-"""The options of a stage module: activation checkpointing, torch.compile, the MoE loss share.
+"""The options of a stage module: activation checkpointing, torch.compile, the MoE loss share,
+and the dtype its matmuls run in (:func:`autocast`).
 
-Both backends build their modules (the simulator's whole model, a pipeline rank's stage) and
+Both backends build their modules (the one-process engine's whole model, a pipeline rank's
+stage) and
 hand them here, so the two apply the options alike (docs/training.md, "Compile and activation
 checkpointing").
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from nobubble.config import ConfigError, TrainConfig
-from nobubble.model import Stage
+from nobubble.model.layers import Stage
 
 
 def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -> None:
@@ -55,3 +59,10 @@ def check_compilable(device: torch.device) -> None:
             f"and none was found ({exc}); install g++ (or point CXX at one), or set "
             "compile=false"
         ) from None
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """The context a stage's forward runs in: bfloat16 autocast for its matmuls, or nothing."""
+    if dtype == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

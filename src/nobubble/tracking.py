@@ -1,8 +1,10 @@
 """Loggers beside metrics.jsonl: TensorBoard and Weights & Biases (``logger=...``).
 
 Every scalar of a metrics line goes to each chosen logger at that line's step, under the same
-name (``train_loss``, ``val_bpb``, ``mfu``, ...); a pipeline run adds per-stage scalars
-(``stage{s}/idle_fraction``, ...) where they are measured. Only the leader opens a logger.
+name (``train_loss``, ``val_bpb``, ``mfu``, ...); a pipeline run adds per-process scalars where
+they are measured (``stage{p}/idle_fraction``, ...: ``p`` is the process's pipeline rank, its
+report's ``pp_rank``, under the name these scalars have always had). Only the leader opens a
+logger.
 
 A resumed run continues the same logger runs: TensorBoard writes into the run folder's ``tb/``
 and drops the events after the checkpoint (``purge_step``), as metrics.jsonl drops its lines;
@@ -22,13 +24,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nobubble.config import ConfigError, TrainConfig, chosen_loggers
+from nobubble.files import write_json_atomic
 from nobubble.interrupt import Interrupted
-from nobubble.runfolder import write_json_atomic
+from nobubble.stage_report import IDENTIFIERS, read_stage_report
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module = extra
 TB_FOLDER = "tb"
 WANDB_ID_FILE = "wandb.json"
-STAGE_IDENTIFIERS = ("stage", "replica", "blocks")  # in a stage report, but not measurements
 
 
 def require_loggers(cfg: TrainConfig) -> None:
@@ -110,13 +112,15 @@ def scalars_of(record: dict[str, Any]) -> dict[str, float]:
 
 
 def stage_scalars(reports: list[dict[str, Any]]) -> dict[str, float]:
-    """Per-stage scalars of the pipeline's stage reports: ``stage{s}/{measure}``, or
-    ``stage{s}/replica{r}/{measure}`` with data parallelism."""
+    """Per-process scalars of the pipeline's stage reports: ``stage{p}/{measure}``, or
+    ``stage{p}/replica{r}/{measure}`` with data parallelism, ``p`` being the pipeline rank
+    (``pp_rank``; the names dashboards already know)."""
+    reports = [read_stage_report(report) for report in reports]
     several = any(report["replica"] for report in reports)
     scalars = {}
     for report in reports:
-        prefix = f"stage{report['stage']}" + (f"/replica{report['replica']}" if several else "")
-        measures = {k: v for k, v in report.items() if k not in STAGE_IDENTIFIERS}
+        prefix = f"stage{report['pp_rank']}" + (f"/replica{report['replica']}" if several else "")
+        measures = {k: v for k, v in report.items() if k not in IDENTIFIERS}
         scalars |= {f"{prefix}/{key}": value for key, value in scalars_of(measures).items()}
     return scalars
 

@@ -1,9 +1,10 @@
-"""The update a stage applies, once for every backend (simulator, pipeline, torch baseline).
+"""The update a stage applies, once for every backend (one-process engine, pipeline, torch
+baseline): :class:`TrainedStage` holds what a model stage trains with and orders its update.
 
 A step's update runs in three parts, so that a pipeline stage can reduce its gradient across data
 parallel replicas (or with a tied copy) between the first two while it computes something else:
 
-1. :meth:`nobubble.prediction.StepWeights.take_gradients`: the gradient of step ``t``,
+1. :meth:`nobubble.corrections.predict.StepWeights.take_gradients`: the gradient of step ``t``,
    accumulated on the weights it was computed at, moves onto the optimizer's parameters.
 2. :func:`prepare_step`: clip (or drop a non-finite gradient, so the optimizer skips the stage),
    release versions nobody will read again, and make the newest version the step's target
@@ -29,15 +30,126 @@ does. The first stage's reported norm includes the tied norm, the last stage's d
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
 
+from nobubble.checkpoint.files import CheckpointError
+from nobubble.checkpoint.named_state import NamedState, load_named_state, named_state
 from nobubble.config import TrainConfig
-from nobubble.delay import gradient_version
-from nobubble.optim import clip_grad_norm, lr_at, set_lr
-from nobubble.versions import VersionStore
+from nobubble.corrections.predict import StepWeights
+from nobubble.corrections.registry import predicts, wrap_optimizer
+from nobubble.model.moe import Routing, balance_routers
+from nobubble.optim.clipping import clip_grad_norm
+from nobubble.optim.composite import OptimizerLike
+from nobubble.optim.lr_schedule import lr_at, set_lr
+from nobubble.optim.registry import build_optimizer
+from nobubble.versions import VersionStore, Weights, gradient_version
+
+
+def build_stage_optimizer(
+    named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig, delay: int
+) -> OptimizerLike:
+    """The optimizer of one model stage (whose gradients come ``delay`` steps late), wrapped in
+    the update or gradient correction ``cfg`` chooses, if any."""
+    return wrap_optimizer(build_optimizer(named_params, cfg), cfg, delay)
+
+
+class TrainedStage:
+    """One model stage under training, the same in both backends: its parameters' weight
+    versions, where its steps run (its delayed version, or the prediction ŵ), its optimizer with
+    the run's delay correction, and :meth:`apply`, the one order of its update.
+
+    ``tied``: the name of the tied weight if the stage holds one of its two copies;
+    ``reports_tied``: whether its reported norm includes that weight's (the first stage's does).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: dict[str, torch.nn.Parameter],
+        delay: int,
+        cfg: TrainConfig,
+        tied: str | None = None,
+        reports_tied: bool = False,
+    ) -> None:
+        self.index, self.delay, self.cfg = index, delay, cfg
+        self.tied, self.reports_tied = tied, reports_tied
+        self.store = VersionStore(params)
+        self.point = StepWeights(self.store, delay, predicts(cfg))
+        self.optimizer = build_stage_optimizer(list(params.items()), cfg, delay)
+        self.versions_peak = 1
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """The optimizer's parameters: the newest version."""
+        return self.store.params
+
+    def at(self, step: int) -> Weights:
+        """The weights every forward and backward of ``step`` runs at."""
+        return self.point.at(step)
+
+    def take_gradients(self, step: int) -> None:
+        """Part 1: the gradient of ``step`` (complete) onto the optimizer's parameters."""
+        self.point.take_gradients(step)
+
+    def apply(self, step: int, routing: Routing, balance_rate: float) -> tuple[float, bool, float]:
+        """Parts 2 and 3, once the gradient is complete (summed with a tied copy's, averaged over
+        replicas): clip and set up the versions, move the MoE balance biases by the step's
+        ``routing``, step the optimizer on the newest version. Returns (gradient norm before
+        clipping, whether the update went ahead in full, learning rate)."""
+        norm, ok = prepare_step(
+            self.store, step, self.point.history, self.cfg.grad_clip, self.tied, self.reports_tied
+        )
+        self.versions_peak = max(self.versions_peak, self.point.copies())
+        balance_routers(self.store.params, routing, balance_rate)
+        lr = optimizer_step(self.optimizer, step, self.cfg)
+        return norm, ok, lr
+
+    def checkpoint_tensors(self) -> Weights:
+        """Every version held, as ``v{version}/{name}``."""
+        return {
+            f"v{version}/{name}": tensor
+            for version, weights in self.store.snapshot().items()
+            for name, tensor in weights.items()
+        }
+
+    def named_state(self, skip: Collection[str] = ()) -> NamedState:
+        """The optimizer and correction state by parameter name, but for ``skip``."""
+        state = named_state(self.optimizer)
+        return state.select(state.names() - set(skip)) if skip else state
+
+    def restore(self, tensors: Weights, optimizer: NamedState, step: int) -> None:
+        """Continue at ``step`` from a checkpoint of any layout: ``tensors`` as
+        :meth:`checkpoint_tensors` wrote them (at least this stage's), ``optimizer`` a named
+        state covering (at least) this stage's parameters."""
+        self.store.load(versions_from_tensors(tensors, self.params, step, self.point.history))
+        load_named_state(self.optimizer, optimizer, skip_unowned=True)
+
+
+def versions_from_tensors(
+    tensors: Weights, params: dict[str, torch.Tensor], step: int, history: int
+) -> dict[int, Weights]:
+    """Invert :meth:`TrainedStage.checkpoint_tensors` for the parameters ``params`` of a stage
+    that keeps its versions ``history`` steps back at ``step``: it must find exactly the versions
+    max(step - history, 0) .. step of every parameter, those that the stage holds after ``step``
+    updates."""
+    found: dict[int, Weights] = {}
+    for key, tensor in tensors.items():
+        version, name = key.split("/", 1)
+        if name in params:
+            found.setdefault(int(version[1:]), {})[name] = tensor
+    needed = list(range(gradient_version(step, history), step + 1))
+    for name in params:
+        held = sorted(v for v, weights in found.items() if name in weights)
+        if held != needed:
+            raise CheckpointError(
+                f"the checkpoint of step {step} holds weight versions {held} of {name}, and a "
+                f"stage that keeps {history} steps of history needs versions {needed}: it was "
+                "saved under another schedule, stage split or correction"
+            )
+    return {v: found[v] for v in needed}
 
 
 def prepare_step(
@@ -51,7 +163,7 @@ def prepare_step(
     """Clip the stage's gradient and set up the versions for the optimizer step of ``step``.
 
     ``history``: how many steps back the stage keeps its versions (its gradient delay; one more
-    under weight prediction: :attr:`nobubble.prediction.StepWeights.history`).
+    under weight prediction: :attr:`nobubble.corrections.predict.StepWeights.history`).
     ``tied``: the name of the tied weight if this stage holds one of its two copies (its gradient
     already summed over both); ``reports_tied``: whether the returned norm includes it (the
     first stage's does). Returns (gradient norm before clipping, whether the stage's update goes

@@ -1,4 +1,9 @@
-"""Weight versions of one stage, shared by the simulator and the pipeline runtime.
+"""Weight versions of one stage, shared by the one-process engine and the pipeline runtime.
+
+Version v of a stage is its weights after v optimizer steps (version 0: the initial weights). With
+gradient delay d (:mod:`nobubble.schedules.registry`) the gradient applied at step t is computed at
+version max(t - d, 0): :func:`gradient_version`.
+
 
 Every version is a set of independent leaf tensors that forwards and backwards run with (through
 ``torch.func.functional_call``); gradients land on those leaves. A parameter that no optimizer
@@ -15,6 +20,11 @@ from __future__ import annotations
 import torch
 
 Weights = dict[str, torch.Tensor]
+
+
+def gradient_version(step: int, delay: int) -> int:
+    """The weight version at which the gradient applied at ``step`` was computed."""
+    return max(step - delay, 0)
 
 
 def _leaf(value: torch.Tensor, trainable: bool) -> torch.Tensor:

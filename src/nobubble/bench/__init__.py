@@ -1,6 +1,7 @@
-"""The speed and memory benchmark (``nobubble bench``): gpipe, 1f1b, 2bw (with and without error
-feedback) and pipedream on our runtime, and torch.distributed.pipelining's ScheduleGPipe and
-Schedule1F1B on the same stage modules, run back to back under torchrun. See docs/benchmarks.md.
+"""The speed and memory benchmark (``nobubble bench``): every pipeline schedule on our runtime
+(with or without a delay correction, compile or activation checkpointing), and
+torch.distributed.pipelining's schedules on the same stage modules, run back to back under
+torchrun, with data parallelism if asked. See docs/benchmarks.md.
 """
 
 from nobubble.bench.cli import add_arguments, main, run

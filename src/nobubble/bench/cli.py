@@ -42,7 +42,8 @@ from nobubble.bench.variants import (
     option_sets,
     with_options,
 )
-from nobubble.config import ConfigError, build_config, parse_overrides
+from nobubble.config import ConfigError, parse_overrides
+from nobubble.configure import build_config
 from nobubble.destinations import check_output_file, make_output_folder
 from nobubble.provenance import provenance
 

@@ -3,10 +3,12 @@ the simulator's bubble for the same schedule beside the measured idle time, and 
 parallelism each stage's gradient all-reduce: how long it took, how much of it the stage waited
 for, and how many bytes it carried.
 
-A run folder's ``summary.json`` has one ``stages`` entry per rank (stage s of replica r). The
-figures here are per stage: a replica's share of the stage's work is the same, so idle time and
-busy time are means over the replicas, memory the largest replica's, and the hidden fraction of
-the all-reduce is one minus the replicas' summed wait over their summed all-reduce time.
+A run folder's ``summary.json`` has one ``stages`` entry per rank (pipeline rank ``pp_rank`` of
+replica ``replica``, :mod:`nobubble.stage_report`; earlier versions' entries read alike). The
+figures here are per pipeline rank (its stage, where it holds one): a replica's share of its work
+is the same, so idle time and busy time are means over the replicas, memory the largest
+replica's, and the hidden fraction of the all-reduce is one minus the replicas' summed wait over
+their summed all-reduce time.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import TrainConfig, build_config
+from nobubble.config import TrainConfig
+from nobubble.configure import build_config
 from nobubble.schedules import generate, lower, simulate
-from nobubble.schedules.simulator import SimResult, split_rank_times
+from nobubble.schedules.timing import SimResult, split_rank_times
+from nobubble.stage_report import read_stage_report
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class RunResult:
     predicted_tokens_per_s: float | None = None  # the cost model, from those stage times
     dp: int = 1
     steps: int = 0  # optimizer steps of the run (M times the others' for pipedream)
-    ranks: list[dict[str, Any]] = field(default_factory=list)  # summary.json's entries, as is
+    # summary.json's entries, as is but for the names of earlier versions (read_stage_report)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
 
 def step_times(rows: Sequence[dict]) -> list[tuple[int, float]]:
@@ -112,10 +117,11 @@ def measured_costs(
     that what it spent on steps, sends and its loop counts too; replicas of a stage are
     averaged. A report without action times (torch's baselines) takes those of the report of
     the same process in ``like`` (a run of ours in the same order); None if there is none."""
-    twins = {(r["stage"], r["replica"]): r.get("action_s") for r in like or []}
+    ours = map(read_stage_report, like or [])
+    twins = {(r["pp_rank"], r["replica"]): r.get("action_s") for r in ours}
     per_stage: dict[int, list[dict[str, float]]] = {}
-    for report in reports:
-        kinds = report.get("action_s") or twins.get((report["stage"], report.get("replica", 0)))
+    for report in map(read_stage_report, reports):
+        kinds = report.get("action_s") or twins.get((report["pp_rank"], report.get("replica", 0)))
         if kinds is None or report["idle_s"] is None:
             return None
         compute = sum(t for stage in kinds.values() for k, t in stage.items() if k in "FBIW")
@@ -212,11 +218,11 @@ def _stage_result(replicas: list[dict], steps: int) -> StageResult:
 
 
 def stage_results(reports: Sequence[dict], steps: int) -> list[StageResult]:
-    """Per stage, in stage order, from ``summary.json``'s per-rank ``stages`` entries."""
-    by_stage: dict[int, list[dict]] = {}
-    for report in reports:
-        by_stage.setdefault(report["stage"], []).append(report)
-    return [_stage_result(by_stage[stage], steps) for stage in sorted(by_stage)]
+    """Per pipeline rank, in order, from ``summary.json``'s per-rank ``stages`` entries."""
+    by_rank: dict[int, list[dict]] = {}
+    for report in map(read_stage_report, reports):
+        by_rank.setdefault(report["pp_rank"], []).append(report)
+    return [_stage_result(by_rank[rank], steps) for rank in sorted(by_rank)]
 
 
 def ring_traffic_mb(bucket_mb: float, dp: int) -> float:
@@ -232,21 +238,20 @@ def read_run(run_dir: Path, skip_tokens: int, like: Sequence[dict] | None = None
     cfg = build_config(json.loads((run_dir / "config.json").read_text()))
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    stages = stage_results(summary["stages"], cfg.steps)
+    reports = [read_stage_report(report) for report in summary["stages"]]
+    stages = stage_results(reports, cfg.steps)
     micro_total = cfg.steps * cfg.microbatches
     busy = [s.busy_s for s in stages]
     # what to simulate it as: the run's schedule, or what a torch baseline names (None: nothing
     # of ours runs its order)
-    simulated = summary.get(
-        "simulated_as", {"schedule": cfg.schedule, "chunks": cfg.stage_chunks()}
-    )
+    simulated = summary.get("simulated_as", {"schedule": cfg.schedule, "chunks": cfg.chunks})
     timed = uniform = predicted = None
     if simulated is not None:
         name, chunks = simulated["schedule"], simulated["chunks"]
         uniform = simulated_bubble(
             cfg, busy_costs(cfg, [3.0] * cfg.stages, name, chunks), name, chunks
         )
-        costs = measured_costs(summary["stages"], micro_total, like)
+        costs = measured_costs(reports, micro_total, like)
         if costs is None and all(b is not None for b in busy):
             costs = busy_costs(cfg, [b / micro_total for b in busy], name, chunks)
         if costs is not None:
@@ -263,5 +268,5 @@ def read_run(run_dir: Path, skip_tokens: int, like: Sequence[dict] | None = None
         bubble_timed=timed,
         dp=cfg.dp,
         steps=cfg.steps,
-        ranks=summary["stages"],
+        ranks=reports,
     )

@@ -3,7 +3,7 @@
 Launched under torchrun (one process per stage) with the same ``key=value`` settings as
 ``nobubble train``, it builds what our runtime builds (the same :class:`~nobubble.model.Stage`
 modules from :func:`~nobubble.model.partition`, the same data from
-:func:`~nobubble.pipeline.launch.build_stage_data` on the first and last stage, the same
+:func:`~nobubble.run.torchrun.build_stage_data` on the first and last stage, the same
 optimizer, per-stage clipping and learning-rate schedule) and trains them with torch's
 ``ScheduleGPipe`` or ``Schedule1F1B``. The loss convention is ours:
 :func:`~nobubble.model.lm_loss` is the mean token loss of a microbatch and ``scale_grads=True``
@@ -11,7 +11,8 @@ divides the accumulated gradients by M.
 
 It writes a run folder that reads like ours: ``metrics.jsonl`` (``step``, ``train_loss``,
 ``tokens``, ``tokens_per_s``, timed at stage 0's optimizer step) and ``summary.json``
-(``tokens_per_s``, ``train_s``, ``stages`` with idle time and peak memory).
+(``tokens_per_s``, ``train_s``, ``stages``: every process's
+:class:`~nobubble.stage_report.StageReport`, as ours, without action times).
 
 Idle time is the time spent in ``schedules._wait_batch_p2p`` (torch's only blocking wait on
 peers), measured on gloo only: on NCCL that call returns before the transfer is done.
@@ -44,12 +45,14 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from nobubble.config import ConfigError, TrainConfig, build_config, parse_overrides
+from nobubble.config import ConfigError, TrainConfig, parse_overrides
+from nobubble.configure import build_config
+from nobubble.device import configure_torch
 from nobubble.engine import peak_memory_mb
 from nobubble.layout import ParallelLayout, device_mesh
-from nobubble.model import Stage, lm_loss, model_config, partition
-from nobubble.optim import build_optimizer
-from nobubble.pipeline.launch import build_stage_data, launch_layout
+from nobubble.model.layers import Stage, lm_loss
+from nobubble.model.partition import stage_specs
+from nobubble.model.resolve import model_config
 from nobubble.pipeline.process_group import (
     close_process_group,
     device_and_backend,
@@ -57,10 +60,12 @@ from nobubble.pipeline.process_group import (
     open_process_group,
 )
 from nobubble.pipeline.replicas import ReplicaReduction, replica_rows
+from nobubble.run.torchrun import build_stage_data, launch_layout
 from nobubble.runfolder import RunFolder
-from nobubble.simulated import autocast
-from nobubble.train import configure_torch
-from nobubble.update import clip_stage, optimizer_step
+from nobubble.schedules.registry import schedule_spec
+from nobubble.stage_options import autocast
+from nobubble.stage_report import StageReport
+from nobubble.update import build_stage_optimizer, clip_stage, optimizer_step
 
 TORCH_SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -68,7 +73,8 @@ TORCH_SCHEDULES = {
     "interleaved-1f1b": ScheduleInterleaved1F1B,
     "interleaved-zb": ScheduleInterleavedZeroBubble,
 }
-CHUNKS = 2  # stages per rank of torch's interleaved schedules: stage c·P + r on rank r
+# stages per rank of torch's interleaved schedules (ours' default): stage c·P + r on rank r
+CHUNKS = schedule_spec("interleaved-1f1b").default_chunks
 # What the benchmark's simulator runs for each: our order of the same schedule, or nothing (None:
 # torch's interleaved zero-bubble order is its own); absent: the config's schedule
 SIMULATED_AS = {"interleaved-1f1b": {"schedule": "interleaved-1f1b", "chunks": CHUNKS},
@@ -114,8 +120,7 @@ class TorchStageRunner:
         device: torch.device,
         layout: ParallelLayout,
     ):
-        self.cfg, self.device, self.stage = cfg, device, layout.pp_rank
-        self.layout = layout
+        self.cfg, self.device, self.layout = cfg, device, layout
         self.first, self.last = layout.is_first_stage, layout.is_last_stage
         data, vocab, _ = build_stage_data(cfg, run_dir, layout)
         self.batches = data.train if data else None
@@ -132,22 +137,21 @@ class TorchStageRunner:
                 f"the torch baseline {schedule} runs without data parallelism here; leave it out "
                 "of --schedules with --dp"
             )
-        stages = cfg.stages * chunks
         layers = cfg.stage_layers if chunks == 1 else None  # stage_layers lists P stages
-        specs = partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, layers)
-        indices = dataclasses.replace(layout, chunks=chunks).stages  # the layout's placement
-        self.modules = [Stage(mc, specs[i], cfg.seed).to(device) for i in indices]
+        specs = stage_specs(dataclasses.replace(cfg, chunks=chunks, stage_layers=layers), mc)
+        self.model_stages = dataclasses.replace(layout, chunks=chunks).stages  # our placement
+        self.modules = [Stage(mc, specs[i], cfg.seed).to(device) for i in self.model_stages]
         self.module = torch.nn.ModuleList(self.modules)  # for the parameter counts below
         named = [(n, p) for m in self.modules for n, p in m.named_parameters()]
-        self.optimizer = build_optimizer(named, cfg)
+        self.optimizer = build_stage_optimizer(named, cfg, delay=0)  # synchronous
         pipeline, self.reduction = None, None  # dp = 1: the default group, rank = stage
         if layout.dp > 1:
             mesh = device_mesh(layout, device.type)  # not kept: it holds the default group
             pipeline = mesh.get_group("pp")
             self.reduction = ReplicaReduction(mesh.get_group("dp"), layout.dp)
         pipe = [
-            PipelineStage(m, i, stages, device, group=pipeline)
-            for m, i in zip(self.modules, indices, strict=True)
+            PipelineStage(m, i, len(specs), device, group=pipeline)
+            for m, i in zip(self.modules, self.model_stages, strict=True)
         ]
         self.schedule = TORCH_SCHEDULES[schedule](
             pipe if chunks > 1 else pipe[0], cfg.microbatches, loss_fn=lm_loss, scale_grads=True
@@ -200,20 +204,20 @@ class TorchStageRunner:
         if idle is not None and self.reduction is not None:
             idle += self.reduction.waited_s  # as in our runtime
         param_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        report = {
-            "stage": self.stage,
-            "replica": self.layout.replica,
-            "blocks": sum(len(m.blocks) for m in self.modules),
-            "train_wall_s": wall,
-            "idle_s": idle,
-            "idle_fraction": None if idle is None else idle / wall,
-            "peak_mem_mb": peak_memory_mb(self.device),
-            "param_mb": param_bytes / 2**20,
-            "weight_versions_peak": 1,
-        }
+        report = StageReport(
+            pp_rank=self.layout.pp_rank,
+            model_stages=self.model_stages,
+            replica=self.layout.replica,
+            blocks=sum(len(m.blocks) for m in self.modules),
+            train_wall_s=wall,
+            idle_s=idle,
+            peak_mem_mb=peak_memory_mb(self.device),
+            param_mb=param_bytes / 2**20,
+            weight_versions_peak=1,
+        ).as_dict()
         if self.reduction is not None:
             report |= self.reduction.report("allreduce")
-        return {"losses": losses, "step_ends": step_ends, "stage": report}
+        return {"losses": losses, "step_ends": step_ends, "report": report}
 
 
 def write_run(
@@ -232,8 +236,8 @@ def write_run(
             "tokens_per_s": cfg.steps * tokens_per_step / step_ends[-1],
             "train_s": step_ends[-1],
             "steps": cfg.steps,
-            "peak_mem_mb": reports[0]["stage"]["peak_mem_mb"],
-            "stages": [report["stage"] for report in reports],
+            "peak_mem_mb": reports[0]["report"]["peak_mem_mb"],
+            "stages": [report["report"] for report in reports],
         }
         | ({"simulated_as": SIMULATED_AS[schedule]} if schedule in SIMULATED_AS else {})
     )

@@ -6,8 +6,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from nobubble.config import SYNC, ConfigError
-from nobubble.corrections import REGISTRY as CORRECTIONS
+from nobubble.config import ConfigError
+from nobubble.corrections.registry import REGISTRY as CORRECTIONS
 from nobubble.schedules.registry import schedule_spec
 
 NOBUBBLE, TORCH = "nobubble", "torch"
@@ -130,7 +130,7 @@ class Shape:
         many: the same microbatches and the same tokens as the other variants.
         """
         micro, steps, batch = self.microbatches, self.steps, self.batch_size
-        if variant.schedule != SYNC and schedule_spec(variant.schedule).step_per_microbatch:
+        if schedule_spec(variant.schedule).step_per_microbatch:
             micro, steps, batch = 1, steps * micro, batch // micro
         return [
             f"schedule={variant.schedule}",

@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from nobubble.config import TrainConfig, correction_names
+from nobubble.corrections.base import UpdateCorrection
+from nobubble.corrections.spec import Correction
 from nobubble.optim.composite import OptimizerLike, evaluate_closure
-from nobubble.optim.update_correction import UpdateCorrection
 
 EPS = 1e-7  # under the square root of the adaptive variant, as in the reference implementation
 
@@ -82,3 +84,34 @@ class DelayCompensation(UpdateCorrection):
 
     def __repr__(self) -> str:
         return f"DelayCompensation({self.base!r}, lam={self.lam}, decay={self.decay})"
+
+
+def _refuses(cfg: TrainConfig) -> str | None:
+    if "predict" in correction_names(cfg):
+        return (
+            "dc compensates for the distance from the stale weights the gradient was computed at, "
+            "and predict computes it elsewhere (at ŵ); drop one of them"
+        )
+    return None
+
+
+def _wrap(optimizer: OptimizerLike, cfg: TrainConfig, delay: int) -> DelayCompensation:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    delays = dict.fromkeys(params, delay)
+    return DelayCompensation(optimizer, cfg.dc_lambda, delays, cfg.dc_mean_square_decay)
+
+
+CORRECTION = Correction(
+    name="dc",
+    acts_on="gradient",
+    rule="g̃ = g + λ·g⊙g⊙(w[t] - w[t-D]), λ = dc_lambda; with dc_mean_square_decay m > 0, "
+    "λ/√(ms + ε), ms = m·ms + (1-m)·g⊙g",
+    memory="D buffers (the last D applied changes), one more for the adaptive variant's "
+    "mean square, + a transient snapshot during the step",
+    needs="nothing but step() (any optimizer)",
+    schedules="2bw, pipedream; nothing to do at delay 0",
+    source="published: Zheng et al., ICML 2017, arXiv 1609.08326 (DC-ASGD-c and -a)",
+    settings=("dc_lambda", "dc_mean_square_decay"),
+    refuses=_refuses,
+    wrap=_wrap,
+)

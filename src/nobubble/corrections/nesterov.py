@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from nobubble.corrections.base import UpdateCorrection
+from nobubble.corrections.spec import Correction
 from nobubble.optim.composite import OptimizerLike
-from nobubble.optim.update_correction import UpdateCorrection
 
 
 class NesterovCorrection(UpdateCorrection):
@@ -40,3 +41,20 @@ class NesterovCorrection(UpdateCorrection):
 
     def __repr__(self) -> str:
         return f"NesterovCorrection({self.base!r}, gamma={self.gamma})"
+
+
+CORRECTION = Correction(
+    name="nesterov",
+    acts_on="update",
+    rule="u[t] = γ·u[t-1] + (1-γ)·Δ[t]; w[t+1] = w[t] - γ·u[t] - (1-γ)·Δ[t], γ = nesterov_gamma",
+    memory="1 buffer (u[t-1]) + a transient snapshot during the step",
+    needs="nothing but step() (any optimizer)",
+    schedules="2bw, pipedream; runs under any",
+    source=(
+        "our generalisation of Ajanthan et al., ICML 2025, arXiv 2505.01099: their method is "
+        "NAdam with β1 = 0.99 at the optimizer level (optim=nadamw); this wraps any optimizer's "
+        "update in a second, discounted momentum"
+    ),
+    settings=("nesterov_gamma",),
+    wrap=lambda opt, cfg, _delay: NesterovCorrection(opt, cfg.nesterov_gamma),
+)

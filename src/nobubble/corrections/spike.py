@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from nobubble.config import TrainConfig
+from nobubble.corrections.base import UpdateCorrection
+from nobubble.corrections.spec import Correction
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
-from nobubble.optim.update_correction import UpdateCorrection
 
 SUPPORTED = ("sgd", "adamw")
 
@@ -71,3 +73,35 @@ class SpikeCompensation(UpdateCorrection):
 
     def __repr__(self) -> str:
         return f"SpikeCompensation({self.base!r})"
+
+
+def _refuses(cfg: TrainConfig) -> str | None:
+    if cfg.optim not in SUPPORTED:
+        return (
+            f"spike compensation is defined for optimizers whose update is linear in the "
+            f"momentum ({', '.join(SUPPORTED)}); {cfg.optim} is not (docs/corrections.md)"
+        )
+    if cfg.optim == "sgd" and cfg.nesterov and cfg.momentum > 0:
+        return "spike compensation is for heavy-ball momentum; set nesterov=false"
+    return None
+
+
+def _wrap(optimizer: OptimizerLike, cfg: TrainConfig, delay: int) -> SpikeCompensation:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return SpikeCompensation(optimizer, dict.fromkeys(params, delay))
+
+
+CORRECTION = Correction(
+    name="spike",
+    acts_on="update",
+    rule=(
+        "w[t+1] = w[t] - η·(a·v[t] + b·g[t]), a = m^D, b = (1 - m^D)/(1 - m) "
+        "(adamw: numerator a·m[t] + (1 - a)·g[t], a = β1^D)"
+    ),
+    memory="none (a transient snapshot during the step)",
+    needs="the optimizer's momentum: torch SGD (heavy ball) or AdamW",
+    schedules="pipedream (D = P-1-s), 2bw (D = 1)",
+    source="published: Kosson et al., MLSys 2021, arXiv 2003.11666",
+    refuses=_refuses,
+    wrap=_wrap,
+)

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nobubble.model import PRESETS, ModelConfig
+from nobubble.model.presets import PRESETS, ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizerModel
 
 from nobubble import __version__
-from nobubble.checkpoint import (
+from nobubble.checkpoint.files import (
     CheckpointError,
     CheckpointReader,
     checkpoint_folders,
@@ -41,12 +41,15 @@ from nobubble.checkpoint import (
     read_meta,
     verify_checkpoint,
 )
-from nobubble.config import ConfigError, build_config
+from nobubble.config import ConfigError
+from nobubble.configure import build_config
 from nobubble.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+from nobubble.files import write_json_atomic
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
-from nobubble.model import ModelConfig, model_config
+from nobubble.model.presets import ModelConfig
+from nobubble.model.resolve import model_config
 from nobubble.resume import latest_valid_checkpoint, saved_config, tokenizer_digest
-from nobubble.runfolder import holds_files, write_json_atomic
+from nobubble.runfolder import holds_files
 
 Version = int | Literal["newest"]
 WEIGHTS = "model.safetensors"

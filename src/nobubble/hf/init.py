@@ -26,7 +26,7 @@ from nobubble.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from nobubble.engine import Engine
 from nobubble.files import read_json_object
 from nobubble.hf.convert import Mismatch, describe, differences, hf_name, parameter_shapes
-from nobubble.model import ModelConfig
+from nobubble.model.presets import ModelConfig
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

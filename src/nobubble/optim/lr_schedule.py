@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import math
 
-from nobubble.config import LR_SCHEDULES, TrainConfig
+from nobubble.config import TrainConfig
+from nobubble.config.optimizer import LR_SCHEDULES
 from nobubble.optim.composite import OptimizerLike
+
+# the settings each schedule reads besides lr, warmup_steps and steps
+SETTINGS_READ: dict[str, tuple[str, ...]] = {
+    "cosine": ("min_lr_ratio",),
+    "wsd": ("decay_frac", "min_lr_ratio"),
+    "constant": (),
+}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -38,7 +38,7 @@ def ns_dtype(setting: str, device: torch.device) -> torch.dtype:
     """The dtype ``muon_ns_dtype=setting`` orthogonalizes in on ``device``: ``auto`` is bfloat16
     on CUDA and on a CPU with bfloat16 matrix instructions, float32 elsewhere. It depends on the
     device type and the host's CPU only, so the ranks of one machine and both engines resolve it
-    alike (the simulator and the pipeline stay bitwise equal)."""
+    alike (the one-process engine and the pipeline stay bitwise equal)."""
     if setting != "auto":
         return getattr(torch, setting)
     if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matmul()):

@@ -1,6 +1,6 @@
 """The optimizer registry: config → optimizer over any subset of named parameters.
 
-Every factory takes the param groups of :func:`nobubble.optim.routing.param_groups` (one per
+Every factory takes the param groups of :func:`nobubble.optim.param_groups.param_groups` (one per
 kind, each with its weight decay) and maps the config's hyperparameters onto the library's
 arguments; docs/optimizers.md lists the mapping and the reasons behind each choice.
 """
@@ -16,7 +16,7 @@ from nobubble.config import TrainConfig
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.muon import Muon, ns_dtype
-from nobubble.optim.routing import Kind, param_groups
+from nobubble.optim.param_groups import Kind, param_groups
 
 Groups = list[dict[str, Any]]
 
@@ -140,23 +140,45 @@ _FACTORIES: dict[str, Callable[[Groups, TrainConfig], OptimizerLike]] = {
     "sgd": _sgd,
 }
 OPTIMIZERS: tuple[str, ...] = tuple(_FACTORIES)
+_ADAM = ("beta1", "beta2", "eps")
+# the settings each factory reads besides lr and weight_decay (muon's AdamW part included);
+# tests/test_optim_registry.py holds this against what building each optimizer really reads
+_SETTINGS_READ: dict[str, tuple[str, ...]] = {
+    "adamw": _ADAM,
+    "muon": (*_ADAM, "momentum", "nesterov", "muon_adjust_lr", "muon_ns_dtype"),
+    "lion": ("beta1", "beta2"),
+    "adan": (*_ADAM, "beta3"),
+    "soap": _ADAM,
+    "mars": _ADAM,
+    "signum": ("momentum",),
+    "nadamw": (*_ADAM, "nadam_momentum_decay"),
+    "sgd": ("momentum", "nesterov"),
+}
+
+
+def settings_read(optim: str, momentum: float) -> frozenset[str]:
+    """The settings optimizer ``optim`` reads (sgd reads nesterov only with momentum > 0)."""
+    keys = set(_SETTINGS_READ[optim])
+    if optim == "sgd" and momentum == 0:
+        keys.discard("nesterov")  # torch rejects Nesterov without momentum: _sgd drops it
+    return frozenset(keys)
+
+
+OPTIMIZER_SETTINGS = frozenset(key for keys in _SETTINGS_READ.values() for key in keys)
 
 
 def build_optimizer(
     named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
 ) -> OptimizerLike:
-    """The optimizer ``cfg.optim`` over these parameters, wrapped in the update-side delay
-    correction ``cfg.correction`` chooses, if any (:mod:`nobubble.corrections`).
+    """The optimizer ``cfg.optim`` over these parameters (a stage's delay correction wraps it:
+    :func:`nobubble.update.build_stage_optimizer`).
 
     Any subset (one pipeline stage's parameters) gives the same per-parameter updates as the
-    whole model: routing, every optimizer's math and every correction are per parameter.
+    whole model: the parameter groups and every optimizer's math are per parameter.
     """
-    from nobubble.corrections import wrap_optimizer  # corrections import the optimizers
-
     if cfg.optim not in _FACTORIES:
         raise ValueError(f"unknown optimizer {cfg.optim!r}; choose one of: {', '.join(OPTIMIZERS)}")
     groups = param_groups(named_params, cfg)
     if not groups:
         raise ValueError("build_optimizer got no trainable parameters")
-    optimizer = _FACTORIES[cfg.optim](groups, cfg)
-    return wrap_optimizer(optimizer, named_params, cfg)
+    return _FACTORIES[cfg.optim](groups, cfg)

@@ -5,40 +5,22 @@ sequence number (the microbatch or step) and, where a process holds several mode
 chunk of the stage it is for; together they form the p2p tag, so messages can be posted in any
 order. Sends are asynchronous (their tensors are kept alive until they complete);
 receives are posted early and waited for where their data is consumed. Which process group
-carries a message is the :class:`~nobubble.pipeline.routes.Routes`' choice (NCCL ignores tags).
+carries a message is the :class:`~nobubble.pipeline.links.Links`' choice (NCCL ignores tags).
 """
 
 from __future__ import annotations
 
 import datetime
-import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
+from nobubble.pipeline.channels import Channel, tag
+from nobubble.pipeline.links import Links
 from nobubble.profiling import label
-
-if TYPE_CHECKING:
-    from nobubble.pipeline.routes import Routes
-
-
-class Channel(enum.IntEnum):
-    ACTIVATION = 0
-    GRADIENT = 1
-    STATS = 2
-    EVAL_ACTIVATION = 3
-    EVAL_SUMS = 4
-    CONTROL = 5
-    STOP_VOTE = 6
-
-
-def tag(channel: Channel, sequence: int, chunk: int = 0, chunks: int = 1) -> int:
-    """The p2p tag: unique per channel, sequence and receiving chunk (of ``chunks``)."""
-    return (sequence * chunks + chunk) * len(Channel) + int(channel)
 
 
 class PeerFailure(RuntimeError):
@@ -74,7 +56,7 @@ class Messenger:
     """Asynchronous sends and receives of one stage, with a timeout on every wait.
 
     Peers are named by their stage in this rank's pipeline replica (or in the replica given); the
-    layout maps them to ranks, ``routes`` to the process group that carries each message.
+    layout maps them to ranks, ``links`` to the process group that carries each message.
 
     A send's tensor must stay alive until the send completes, and gloo reports completion only
     through ``wait()``; so at most ``SEND_WINDOW`` sends stay outstanding and beyond that the
@@ -82,8 +64,8 @@ class Messenger:
     this deep is far older than any message a peer could still be waiting for first).
     """
 
-    def __init__(self, layout: ParallelLayout, timeout_s: float, routes: Routes) -> None:
-        self.layout, self.routes = layout, routes
+    def __init__(self, layout: ParallelLayout, timeout_s: float, links: Links) -> None:
+        self.layout, self.links = layout, links
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.waited_s = 0.0  # time blocked on peers: the stage's idle time
@@ -100,11 +82,11 @@ class Messenger:
         """Send ``tensor`` to model stage ``peer``; ``chunk``: which of the receiving process's
         stages it is for (the receiver's chunk, where it holds several)."""
         tensor = tensor.detach().contiguous()
-        if self.routes.on_cpu(channel):
+        if self.links.on_cpu(channel):
             tensor = tensor.cpu()
         rank = self.layout.rank_of(peer, replica)
         number = tag(channel, sequence, chunk, self.layout.chunks)
-        group = self.routes.group(channel, peer, self._replica(replica))
+        group = self.links.group(channel, peer, self._replica(replica))
         self.sends.append((dist.isend(tensor, rank, group=group, tag=number), tensor))
         if len(self.sends) > SEND_WINDOW:
             self._wait_sends(self.sends[:-SEND_WINDOW])
@@ -124,11 +106,11 @@ class Messenger:
     ) -> PendingRecv:
         """Post the receive of a message from model stage ``peer`` for this process's stage of
         chunk ``chunk``."""
-        on = torch.device("cpu") if self.routes.on_cpu(channel) else device
+        on = torch.device("cpu") if self.links.on_cpu(channel) else device
         buffer = torch.empty(shape, dtype=dtype, device=on)
         number = tag(channel, sequence, chunk, self.layout.chunks)
         receiver = self.layout.stages[chunk]
-        group = self.routes.group(channel, receiver, self._replica(replica))
+        group = self.links.group(channel, receiver, self._replica(replica))
         rank = self.layout.rank_of(peer, replica)
         work = dist.irecv(buffer, rank, group=group, tag=number)
         return PendingRecv(buffer, work, peer, replica, what, channel, sequence, device)

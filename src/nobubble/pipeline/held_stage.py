@@ -1,11 +1,11 @@
 """One model stage a pipeline process holds: its slice of the model and everything per stage.
 
 A process holds one stage, or several with an interleaved schedule (``chunks``; the layout says
-which). Each held stage keeps what the simulator keeps per stage, so both backends compute the
-same: its weight versions (:class:`nobubble.versions.VersionStore`), its optimizer and delay
-correction, the point its forwards run at (:class:`nobubble.prediction.StepWeights`), its own
-gradient clipping, and the all-reduces of its gradient (data-parallel replicas; the tied weight's
-two copies).
+which). Each held stage keeps what the one-process engine keeps per stage, a
+:class:`nobubble.update.TrainedStage` (weight versions, where its steps run, its optimizer and
+delay correction, the order of its update), so both backends compute the same; besides it, its
+module, the split of its backward (zero-bubble) and the all-reduces of its gradient
+(data-parallel replicas; the tied weight's two copies).
 """
 
 from __future__ import annotations
@@ -13,18 +13,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nobubble.config import TrainConfig, chosen_corrections
-from nobubble.delay import stage_delays
+from nobubble.config import TrainConfig
 from nobubble.layout import ParallelLayout
-from nobubble.model import TIED_WEIGHT, ModelConfig, Stage, StageSpec, holds_tied_copy
-from nobubble.moe import balance_routers, pack_routing, unpack_routing
-from nobubble.optim import build_optimizer
+from nobubble.model.layers import Stage
+from nobubble.model.moe import pack_routing, unpack_routing
+from nobubble.model.partition import TIED_WEIGHT, StageSpec, holds_tied_copy
+from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.replicas import ReplicaReduction
 from nobubble.pipeline.split_backward import SplitBackward
-from nobubble.prediction import StepWeights
+from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import apply_stage_options
-from nobubble.update import optimizer_step, prepare_step
-from nobubble.versions import VersionStore
+from nobubble.update import TrainedStage
 
 
 class HeldStage:
@@ -50,18 +49,16 @@ class HeldStage:
         apply_stage_options(self.module, cfg, device)
         self.split = SplitBackward(self.module) if split else None  # zero-bubble I/W
         params = dict(self.module.named_parameters())
-        self.store = VersionStore(params)
-        self.optimizer = build_optimizer(list(params.items()), cfg)
-        self.delay = stage_delays(cfg.schedule, cfg.model_stages())[index]
-        self.point = StepWeights(self.store, self.delay, "predict" in chosen_corrections(cfg))
+        delay = schedule_spec(cfg.schedule).delays(layout.model_stages)[index]
+        # tied embeddings split over stages: this stage's copy, summed with the other's
+        self.tied_name = TIED_WEIGHT if holds_tied_copy(mc, spec) else None
+        self.trained = TrainedStage(index, params, delay, cfg, self.tied_name, self.first)
         name = layout.name(index)
         self.reduction = (
             ReplicaReduction(replicas, layout.dp, cfg.p2p_timeout_s, name)
             if layout.dp > 1
             else None
         )
-        # tied embeddings split over stages: this stage's copy, summed with the other's
-        self.tied_name = TIED_WEIGHT if holds_tied_copy(mc, spec) else None
         self.tied = (  # sum over first + last, mean over replicas: the dp divisor
             ReplicaReduction(
                 tied,
@@ -76,7 +73,6 @@ class HeldStage:
         )
         # the dp bucket: what an optimizer steps, but the tied copy (reduced on its own)
         self.reduced = [p for n, p in params.items() if n != self.tied_name and p.requires_grad]
-        self.versions_peak = 1
         self.mc, self.moe_blocks = mc, [i for i in spec.blocks if mc.is_moe(i)]
 
     def step_sums(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -88,17 +84,11 @@ class HeldStage:
 
     def apply_step(self, step: int, sums: torch.Tensor) -> tuple[float, bool, float]:
         """The rest of the STEP action, once the gradient is complete (and averaged over the
-        replicas, with the ``sums`` of :meth:`step_sums`): clip -> optimizer on the newest
-        version; balance biases from the step's routing. Returns (gradient norm, whether the
-        update went ahead in full, learning rate)."""
-        norm, ok = prepare_step(
-            self.store, step, self.point.history, self.cfg.grad_clip, self.tied_name, self.first
-        )
-        self.versions_peak = max(self.versions_peak, self.point.copies())
+        replicas, with the ``sums`` of :meth:`step_sums`): the stage's update
+        (:meth:`nobubble.update.TrainedStage.apply`) with the step's routing. Returns (gradient
+        norm, whether the update went ahead in full, learning rate)."""
         routing = unpack_routing(sums[1:], self.moe_blocks, self.mc)
-        balance_routers(self.store.params, routing, self.mc.moe_bias_rate)
-        lr = optimizer_step(self.optimizer, step, self.cfg)
-        return norm, ok, lr
+        return self.trained.apply(step, routing, self.mc.moe_bias_rate)
 
     def param_mb(self) -> float:
-        return sum(p.numel() * p.element_size() for p in self.store.params.values()) / 2**20
+        return sum(p.numel() * p.element_size() for p in self.trained.params.values()) / 2**20

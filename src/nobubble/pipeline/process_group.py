@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from nobubble.config import TrainConfig
-from nobubble.train import resolve_device
+from nobubble.device import resolve_device
 
 _OUTLIVED: list[str] = []  # the backends that outlived close_process_group in this process
 

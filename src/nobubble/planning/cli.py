@@ -9,11 +9,11 @@ from pathlib import Path
 
 from nobubble.config import ConfigError
 from nobubble.destinations import check_output_file
+from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
 from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
-from nobubble.planning.predict import Plan, Prediction, predict, shape_problem
 from nobubble.planning.shapes import PLANNING_SHAPES
-from nobubble.schedules import SCHEDULE_NAMES
+from nobubble.schedules.registry import PIPELINE_SCHEDULES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,19 +109,19 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     )
 
 
-def predictions(plan: Plan) -> tuple[list[Prediction], dict[str, str]]:
+def estimates(plan: Plan) -> tuple[list[Estimate], dict[str, str]]:
     """Every schedule's prediction, fastest first, and why the others cannot run this shape."""
     done, skipped = [], {}
-    for name in SCHEDULE_NAMES:
+    for name in PIPELINE_SCHEDULES:
         problem = shape_problem(plan, name)
         if problem:
             skipped[name] = problem
             continue
-        done.append(predict(plan, name))
+        done.append(estimate(plan, name))
     return sorted(done, key=lambda p: p.step_s), skipped
 
 
-def table(results: list[Prediction], limit_gb: float) -> str:
+def table(results: list[Estimate], limit_gb: float) -> str:
     lines = [
         "| schedule | step (ms) | tokens/s | bubble | all-reduce exposed (ms) "
         "| peak memory per GPU (GB) | fits |",
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     if args.grid:
         return run_grid(args, plan)
     limit = args.memory_limit_gb or plan.device.memory_gb
-    results, skipped = predictions(plan)
+    results, skipped = estimates(plan)
     fitting = [p for p in results if p.peak_memory_gb <= limit]
     best = fitting[0].schedule if fitting else None
     if args.json:
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if results else 1
 
 
-def conclusion(plan: Plan, results: list[Prediction], limit: float, best: str | None) -> str:
+def conclusion(plan: Plan, results: list[Estimate], limit: float, best: str | None) -> str:
     """The last line: the best schedule that fits, or why there is none."""
     if not results:
         return (

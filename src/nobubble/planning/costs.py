@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nobubble.flops import block_matmul_weights
-from nobubble.model import ModelConfig, partition
+from nobubble.model.partition import partition
+from nobubble.model.presets import ModelConfig
 
 BYTES_PER_WEIGHT_VERSION = 2
 BYTES_STATE_PER_PARAMETER = 4 + 12  # FP32 gradient; FP32 master weight + Adam's m and v

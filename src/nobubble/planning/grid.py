@@ -12,30 +12,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nobubble.config import ConfigError
-from nobubble.planning.predict import Plan, Prediction, predict, shape_problem
-from nobubble.schedules import SCHEDULE_NAMES, schedule_spec
+from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
+from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
 
 ASYNC = "2bw"
-
-
-def synchronous_schedules() -> list[str]:
-    return [name for name in SCHEDULE_NAMES if schedule_spec(name).flushes]
 
 
 @dataclass(frozen=True)
 class GridPoint:
     stages: int
     microbatches: int
-    async_run: Prediction
-    sync_runs: list[Prediction]  # fastest first
+    async_run: Estimate
+    sync_runs: list[Estimate]  # fastest first
     skipped: dict[str, str]
 
     @property
-    def best_sync(self) -> Prediction:
+    def best_sync(self) -> Estimate:
         return self.sync_runs[0]
 
     @property
-    def best_sync_within_memory(self) -> Prediction | None:
+    def best_sync_within_memory(self) -> Estimate | None:
         """The fastest synchronous schedule whose peak memory is at most 2bw's."""
         limit = self.async_run.peak_memory_gb
         return next((p for p in self.sync_runs if p.peak_memory_gb <= limit), None)
@@ -44,14 +40,14 @@ class GridPoint:
 def grid_point(plan: Plan) -> GridPoint:
     """2bw and every synchronous schedule that can run ``plan``'s shape."""
     runs, skipped = [], {}
-    for name in synchronous_schedules():
+    for name in (n for n in PIPELINE_SCHEDULES if n in SYNCHRONOUS_SCHEDULES):
         problem = shape_problem(plan, name)
         if problem:
             skipped[name] = problem
         else:
-            runs.append(predict(plan, name))
+            runs.append(estimate(plan, name))
     runs.sort(key=lambda p: p.step_s)
-    return GridPoint(plan.stages, plan.microbatches, predict(plan, ASYNC), runs, skipped)
+    return GridPoint(plan.stages, plan.microbatches, estimate(plan, ASYNC), runs, skipped)
 
 
 def grid(plan: Plan, stages: list[int], ratios: list[int]) -> list[GridPoint]:

@@ -6,7 +6,7 @@ model does not implement do not matter here; these are not training presets.
 
 from __future__ import annotations
 
-from nobubble.model import PRESETS, ModelConfig
+from nobubble.model.presets import PRESETS, ModelConfig
 
 # Published config.json shapes of meta-llama/Llama-3.2-1B, Meta-Llama-3-8B, Meta-Llama-3-70B and
 # Llama-3.1-405B (the last two as in "The Llama 3 Herd of Models", 2024, Table 3).

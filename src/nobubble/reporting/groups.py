@@ -17,29 +17,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nobubble.config import SCHEDULES, SYNC_SCHEDULES, TrainConfig, chosen_corrections
+from nobubble.config import SECTIONS, TrainConfig
+from nobubble.config.fields import FREE
+from nobubble.corrections.registry import chosen
 from nobubble.reporting.runs import Run
+from nobubble.schedules.registry import SCHEDULE_NAMES, SYNCHRONOUS_SCHEDULES
 
-# The keys that choose a delay correction or set one's strength (dropped to find the plain run).
-CORRECTION_KEYS = (
-    "correction",
-    "ef",
-    "ef_gamma",
-    "nesterov_gamma",
-    "dc_lambda",
-    "dc_mean_square_decay",
+# The keys that choose a delay correction or set one's strength (dropped to find the plain run):
+# the correction section. The keys of how the pipeline runs (dropped to find the synchronous
+# baseline): those and the parallel section's, but what changes no result (p2p_timeout_s, ...).
+CORRECTION_KEYS = tuple(f.name for f in dataclasses.fields(SECTIONS["correction"]))
+PIPELINE_KEYS = tuple(
+    f.name
+    for section in ("parallel", "correction")
+    for f in dataclasses.fields(SECTIONS[section])
+    if f.metadata["resume"] != FREE
 )
-PIPELINE_KEYS = (
-    "schedule",
-    *CORRECTION_KEYS,
-    "stages",
-    "dp",
-    "microbatches",
-    "stage_layers",
-    "embed_cost",
-    "head_cost",
-)
-SCHEDULE_ORDER = SCHEDULES  # sync first, then the pipeline schedules in the registry's order
+SCHEDULE_ORDER = SCHEDULE_NAMES  # sync first, then the pipeline schedules in the registry's order
 # A gap smaller than this many standard errors is treated as seed noise.
 CLEAR_GAP_SE = 2.0
 
@@ -82,7 +76,7 @@ class Group:
 
     @property
     def is_baseline(self) -> bool:
-        return self.settings["schedule"] in SYNC_SCHEDULES and not self.corrections
+        return self.settings["schedule"] in SYNCHRONOUS_SCHEDULES and not self.corrections
 
     @property
     def setup(self) -> str:
@@ -125,7 +119,7 @@ class Group:
 
 
 def corrections_of(settings: dict[str, Any]) -> tuple[str, ...]:
-    return chosen_corrections(TrainConfig(correction=settings["correction"], ef=settings["ef"]))
+    return chosen(TrainConfig(correction=settings["correction"], ef=settings["ef"]))
 
 
 def _label(correction: str) -> str:

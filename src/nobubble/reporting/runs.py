@@ -20,6 +20,7 @@ from nobubble.config import FIELDS, ConfigError, coerce
 from nobubble.downstream.scores import Column, Score, latest_scores
 from nobubble.files import read_json_lines, read_json_object
 from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
+from nobubble.schedules.registry import SCHEDULES
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
@@ -32,12 +33,16 @@ class ReportError(ConfigError):
 
 def result_settings(config: dict[str, Any]) -> dict[str, Any]:
     """Every setting that can change a run's result; keys missing from an older config.json take
-    their current default, so adding a config key does not make old runs look different."""
-    return {
+    their current default, so adding a config key does not make old runs look different, and
+    ``chunks`` left to the schedule (``null``, as earlier versions saved it) is the schedule's."""
+    settings = {
         key: config.get(key, field.default)
         for key, field in FIELDS.items()
         if key not in NON_RESULT_KEYS
     }
+    if settings["chunks"] is None and settings["schedule"] in SCHEDULES:
+        settings["chunks"] = SCHEDULES[settings["schedule"]].default_chunks
+    return settings
 
 
 def final_loss(summary: dict[str, Any], key: str = "final_val_loss") -> float:

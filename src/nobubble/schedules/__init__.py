@@ -22,7 +22,7 @@ from nobubble.schedules.lowering import is_lowered, lower, lower_rank
 from nobubble.schedules.registry import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, schedule_spec
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import render_text
-from nobubble.schedules.simulator import DeadlockError, SimResult, TimedAction, simulate
+from nobubble.schedules.timing import DeadlockError, SimResult, TimedAction, simulate
 from nobubble.schedules.trace import chrome_trace, write_trace
 
 __all__ = [

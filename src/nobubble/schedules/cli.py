@@ -15,10 +15,10 @@ from nobubble.schedules.generators import generate
 from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import ScheduleError
 from nobubble.schedules.lowering import lower
-from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
+from nobubble.schedules.registry import PIPELINE_SCHEDULES, SCHEDULE_NAMES, schedule_spec
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import grid_columns, render_text
-from nobubble.schedules.simulator import SimResult, simulate, split_rank_times
+from nobubble.schedules.timing import SimResult, simulate, split_rank_times
 from nobubble.schedules.trace import write_trace
 
 PROGRESS_DELAY_S = 1.0  # work that takes longer draws a progress bar on stderr
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         default="2bw",
         choices=[*SCHEDULE_NAMES, "all"],
-        help="schedule to simulate; 'all' compares the four (default: 2bw)",
+        help="schedule to simulate; 'all' compares every pipeline schedule (default: 2bw)",
     )
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages P (default: 4)")
     parser.add_argument(
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
     Bad input raises :class:`ScheduleError` (or ConfigError for an output path) before any work.
     """
-    names = SCHEDULE_NAMES if args.schedule == "all" else (args.schedule,)
+    names = PIPELINE_SCHEDULES if args.schedule == "all" else (args.schedule,)
     _check(args, names)
     shape = f"P={args.stages} M={args.microbatches} steps={args.steps}"
     results: dict[str, SimResult] = {}

@@ -10,7 +10,7 @@
   does not exist.
 * Between two model stages, the messages of each kind (activations, gradients) are received in
   the order they are sent: what a transport without tags (NCCL) needs, since it pairs the n-th
-  send with the n-th receive (``nobubble.pipeline.routes``).
+  send with the n-th receive (``nobubble.pipeline.links``).
 * A stage holds at most d + 1 weight versions (its weight stash), and a rank at most the
   activations its schedule's registry spec allows (activation_budget).
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError, stage_count
 from nobubble.schedules.lowering import is_lowered, lower
 from nobubble.schedules.registry import schedule_spec
-from nobubble.schedules.simulator import SimResult, simulate
+from nobubble.schedules.timing import SimResult, simulate
 
 
 def _coverage(actions: Schedule) -> list[str]:

@@ -4,8 +4,15 @@ A :class:`ScheduleSpec` says what a schedule promises (its gradient delay and th
 versions it may hold per stage), what it needs (its rule on the number of microbatches, whether it
 splits the backward or puts several stages on a rank) and where it runs. The generators build the
 action lists; this module says what those lists must satisfy and what a configuration may ask
-for. ``sync`` is not here: it is the configuration's name for "no pipeline schedule, plain
-gradient accumulation", which the pipeline runs as 1f1b.
+for. ``sync`` is an entry too: plain gradient accumulation, the semantics of 1f1b under
+another name (``same_as``), which a pipeline runs in 1F1B order; listings of distinct pipeline
+orders (:data:`PIPELINE_SCHEDULES`) leave it out.
+
+A stage's gradient delay d says which weight version its gradients are computed at: the gradient
+applied at step t was computed at version max(t - d, 0) (:func:`nobubble.versions.gradient_version`)
+and version v is the weights after v optimizer steps. Both backends read the delays here: the
+one-process engine keeps that many old versions per stage, the pipeline runtime's schedule
+produces exactly these versions (its invariants are checked).
 """
 
 from __future__ import annotations
@@ -96,6 +103,8 @@ class ScheduleSpec:
     activation_rule: Callable[[int, int, int, int], int] = _one_f_one_b_activations
     default_chunks: int = 1  # stages per rank; above 1, the schedule takes any number >= 2
     split_backward: bool = False  # backwards are I + W (zero-bubble), not B
+    # another name for that schedule's semantics and order (sync: 1f1b); left out of listings
+    same_as: str | None = None
 
     def delay(self, stage: int, stages: int) -> int:
         """How many versions older than the weights it updates a stage's applied gradient is."""
@@ -134,6 +143,14 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
+        ScheduleSpec(
+            "sync",
+            "no pipeline: plain gradient accumulation (the semantics of 1f1b; a pipeline runs it "
+            "in 1F1B order)",
+            order="1f1b",
+            flushes=True,
+            same_as="1f1b",
+        ),
         ScheduleSpec(
             "gpipe",
             "all forwards, then all backwards, flush before each step",
@@ -195,7 +212,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ),
     )
 }
-SCHEDULE_NAMES = tuple(SCHEDULES)
+SCHEDULE_NAMES = tuple(SCHEDULES)  # every name the ``schedule`` setting accepts
+# the distinct pipeline orders, for listings and comparisons (sync is 1f1b)
+PIPELINE_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.same_as is None)
+# the schedules whose gradients are computed at the weights they update (sync included)
+SYNCHRONOUS_SCHEDULES = frozenset(name for name, spec in SCHEDULES.items() if spec.flushes)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nobubble.schedules.ir import ActionKind
-from nobubble.schedules.simulator import SimResult
+from nobubble.schedules.timing import SimResult
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nobubble.schedules.simulator import SimResult
+from nobubble.schedules.timing import SimResult
 
 
 @dataclass(frozen=True)

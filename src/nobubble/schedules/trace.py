@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nobubble.schedules.ir import ActionKind
-from nobubble.schedules.simulator import SimResult
+from nobubble.schedules.timing import SimResult
 
 MICROSECONDS_PER_UNIT = 1000.0
 

@@ -25,7 +25,7 @@ from typing import IO
 
 import tomli_w
 
-from nobubble.checkpoint import checkpoint_folders, checkpoint_step
+from nobubble.checkpoint.files import checkpoint_folders, checkpoint_step
 from nobubble.files import DamagedFile
 from nobubble.reporting.runs import final_loss
 from nobubble.resume import latest_valid_checkpoint

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nobubble.config import ConfigError, TrainConfig, build_config
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config
 from nobubble.sweeping.best import Choice, Pending, possible_values, resolve_best
 from nobubble.sweeping.grid import Phase, Point, Sweep, SweepError
 from nobubble.sweeping.planned import LossOf, PlannedRun

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic, checksummed shards (files) and optimizer state keyed by parameter name."""

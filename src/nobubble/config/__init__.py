@@ -1,0 +1,39 @@
+"""The configuration schema: every setting, its help and its range, in sections; parsing and the
+checks the schema alone can make. It imports nothing else of nobubble (docs/architecture.md)."""
+
+from nobubble.config.checks import check_schema, profile_range
+from nobubble.config.correction import correction_names
+from nobubble.config.fields import ConfigError, Range, check_choice, setting, suggest
+from nobubble.config.logging import chosen_loggers
+from nobubble.config.parse import (
+    base_type,
+    coerce,
+    load_toml,
+    merge_layers,
+    parse_overrides,
+    unknown_key_error,
+)
+from nobubble.config.schema import FIELDS, HINTS, SECTION_OF, SECTIONS, TrainConfig
+
+__all__ = [
+    "FIELDS",
+    "HINTS",
+    "SECTIONS",
+    "SECTION_OF",
+    "ConfigError",
+    "Range",
+    "TrainConfig",
+    "base_type",
+    "check_choice",
+    "check_schema",
+    "chosen_loggers",
+    "coerce",
+    "correction_names",
+    "load_toml",
+    "merge_layers",
+    "parse_overrides",
+    "profile_range",
+    "setting",
+    "suggest",
+    "unknown_key_error",
+]

@@ -1,0 +1,81 @@
+"""What the schema alone can check: numbers in their ranges, words among their choices, loggers,
+the profiled steps, and that the batch divides into microbatches and replicas."""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+
+from nobubble.config.fields import ConfigError, Range, check_choice
+from nobubble.config.logging import chosen_loggers
+from nobubble.config.schema import FIELDS, HINTS, TrainConfig
+
+
+def check_schema(cfg: TrainConfig) -> None:
+    """Refuse a value the schema says no to, naming the key and what it takes."""
+    for key, spec in FIELDS.items():
+        if spec.metadata["choices"] is not None:
+            check_choice(key, getattr(cfg, key), spec.metadata["choices"])
+    chosen_loggers(cfg)
+    _check_numbers(cfg)
+    profile_range(cfg)
+    if cfg.batch_size % cfg.microbatches:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
+            "pick a batch size that is a multiple of the microbatch count"
+        )
+    if cfg.microbatch_size() % cfg.dp:
+        raise ConfigError(
+            f"each of the {cfg.microbatches} microbatches of batch_size {cfg.batch_size} holds "
+            f"{cfg.microbatch_size()} sequences, which dp={cfg.dp} replicas cannot share equally; "
+            f"batch_size must be a multiple of microbatches x dp = {cfg.microbatches * cfg.dp}"
+        )
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    """Every number (each item of a list) finite and within its field's declared range."""
+    for key, spec in FIELDS.items():
+        accepted = spec.metadata["range"]
+        if accepted is None:
+            continue
+        value = getattr(cfg, key)
+        for number in value if isinstance(value, list) else [value]:
+            if number is not None and not (math.isfinite(number) and number in accepted):
+                raise ConfigError(f"{key} must be {_accepted(key, accepted)}, got {number!r}")
+
+
+def _accepted(key: str, accepted: Range) -> str:
+    """The range in words; a float range open to infinity also says that inf is out."""
+    if accepted.high == math.inf and _is_float(HINTS[key]):
+        return f"{accepted} and finite"
+    return str(accepted)
+
+
+def _is_float(hint: typing.Any) -> bool:
+    if isinstance(hint, types.UnionType):
+        return float in typing.get_args(hint)
+    return hint is float
+
+
+def profile_range(cfg: TrainConfig) -> range | None:
+    """The steps (numbered from 1) ``profile_steps`` names, or None; checked."""
+    if cfg.profile_steps is None:
+        return None
+    first, sep, last = cfg.profile_steps.partition(":")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        raise ConfigError(
+            f"profile_steps must be A:B with whole step numbers, e.g. 5:7, got "
+            f"{cfg.profile_steps!r}"
+        )
+    a, b = int(first), int(last)
+    if not 1 <= a <= b:
+        raise ConfigError(
+            f"profile_steps {cfg.profile_steps!r} must satisfy 1 <= A <= B (steps count from 1)"
+        )
+    if b > cfg.steps:  # refused, not clipped: the run would trace fewer steps than asked
+        raise ConfigError(
+            f"profile_steps {cfg.profile_steps!r} reaches past the run's last step (steps="
+            f"{cfg.steps}); choose steps between 1 and {cfg.steps}"
+        )
+    return range(a, b + 1)

@@ -1,0 +1,77 @@
+"""The schedule and the parallel layout: pipeline stages, chunks, microbatches, data-parallel
+replicas, the partition of the model into stages, and the pipeline's messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nobubble.config.fields import FREE, LAYOUT, NON_NEGATIVE, POSITIVE, setting
+
+P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.links
+PARTITIONS = ("blocks", "flops")  # nobubble.model.partition
+
+
+@dataclass
+class ParallelSettings:
+    schedule: str = setting("sync", "pipeline schedule (docs/schedules.md)", registry="schedule")
+    stages: int = setting(
+        1,
+        "pipeline stages P (torchrun: one process per stage and replica)",
+        POSITIVE,
+        resume=LAYOUT,
+    )
+    chunks: int | None = setting(
+        None,
+        "model stages per pipeline stage (interleaved-1f1b's virtual stages): the model is cut "
+        "into stages x chunks parts, part c·P + r on stage r; default: the schedule's (2 for "
+        "interleaved-1f1b, else 1)",
+        POSITIVE,
+        resume=LAYOUT,
+    )
+    microbatches: int = setting(1, "microbatches M per optimizer step", POSITIVE)
+    dp: int = setting(
+        1,
+        "data-parallel replicas of the pipeline (torchrun: stages x dp processes); each reads "
+        "1/dp of every microbatch",
+        POSITIVE,
+        resume=LAYOUT,
+    )
+    stage_layers: list[int] | None = setting(
+        None,
+        "explicit blocks per stage, e.g. [3, 3]",
+        NON_NEGATIVE,
+        resume=LAYOUT,
+    )
+    p2p_timeout_s: float = setting(
+        300.0,
+        "pipeline: fail if a stage waits longer for a peer",
+        POSITIVE,
+        resume=FREE,
+    )
+    p2p_routes: str = setting(
+        "auto",
+        "pipeline: process groups of the messages: shared (one group; gloo only: it pairs by "
+        "tag) | per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | "
+        "auto (shared on gloo, per-edge otherwise)",
+        choices=P2P_ROUTES,
+        resume=FREE,
+    )
+    partition: str = setting(
+        "blocks",
+        "how the blocks are split over the model stages when stage_layers is not given: blocks "
+        "(the embedding and the head weigh embed_cost and head_cost blocks) or flops (each part "
+        "by its training FLOPs, resolved into stage_layers once the tokenizer is known and saved "
+        "in config.json)",
+        choices=PARTITIONS,
+        resume=LAYOUT,
+    )
+    embed_cost: float = setting(
+        1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE, resume=LAYOUT
+    )
+    head_cost: float = setting(
+        1.0,
+        "partition weight of the final norm + head, in blocks",
+        NON_NEGATIVE,
+        resume=LAYOUT,
+    )

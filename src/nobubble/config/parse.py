@@ -1,0 +1,131 @@
+"""Reading settings: ``key=value`` words, TOML files and layers of them, typed by the schema.
+
+Precedence (lowest to highest): field defaults, ``--config FILE.toml``, command-line flags,
+``key=value`` overrides. Every error names the offending key or value and how to fix it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import types
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from nobubble.config.checks import check_schema
+from nobubble.config.fields import ConfigError, suggest
+from nobubble.config.schema import FIELDS, HINTS, TrainConfig
+
+
+def unknown_key_error(key: str) -> ConfigError:
+    return ConfigError(
+        f"unknown config key {key!r}{suggest(key, FIELDS)}; valid keys: {', '.join(FIELDS)}"
+    )
+
+
+def base_type(hint: Any) -> tuple[Any, bool]:
+    """Return (type without None, whether None is allowed)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Convert ``value`` (from TOML or a ``key=value`` string) to the type of field ``key``."""
+    if key not in FIELDS:
+        raise unknown_key_error(key)
+    hint, nullable = base_type(HINTS[key])
+    if isinstance(value, str):
+        text = value.strip()
+        if nullable and text.lower() in ("none", "null", ""):
+            return None
+        if hint is str:
+            return value
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+    if value is None:
+        if nullable:
+            return None
+        raise ConfigError(f"{key} cannot be empty; give a {hint.__name__}")
+    return _check_type(key, hint, value)
+
+
+def _check_type(key: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list like [3, 3], got {value!r}")
+        return [_check_type(key, item, v) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be a whole number, got {value!r}")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - programming error
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """Parse ``key=value`` strings (values in TOML syntax, bare strings allowed)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"expected key=value, got {item!r} (e.g. lr=1e-3 or optim=muon)")
+        key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        out[key] = coerce(key, value)
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config; ``[section]`` headings are allowed and flattened (keys are unique
+    over the sections: :data:`nobubble.config.schema.SECTIONS`)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):  # a [section]: no field is a table
+            for sub, subvalue in value.items():
+                flat[sub] = subvalue
+        else:
+            flat[key] = value
+    return {key.replace("-", "_"): coerce(key.replace("-", "_"), v) for key, v in flat.items()}
+
+
+def merge_layers(*layers: dict[str, Any]) -> TrainConfig:
+    """Merge override layers over the defaults and check what the schema alone can check (types,
+    ranges, fixed choices, divisibility). What needs a registry (presets, optimizers, schedules,
+    corrections) is checked above: :func:`nobubble.configure.build_config`."""
+    values: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            values[key] = coerce(key, value)
+    cfg = TrainConfig(**values)
+    check_schema(cfg)
+    return cfg

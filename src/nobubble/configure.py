@@ -1,0 +1,115 @@
+"""The configuration checked against everything it names: the one place that turns settings into
+a configuration a run can use.
+
+The schema (:mod:`nobubble.config`) checks what it can alone; here, above the registries, each
+name is checked against its registry (presets, optimizers, schedules, corrections), ``chunks``
+is resolved to the schedule's default, and the schedule, the corrections and the model's split
+are checked for the shape asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from nobubble.config import FIELDS, ConfigError, TrainConfig, check_choice, merge_layers
+from nobubble.corrections.registry import CORRECTION_NAMES
+from nobubble.corrections.registry import check as check_corrections
+from nobubble.layout import ParallelLayout
+from nobubble.model.partition import stage_specs
+from nobubble.model.presets import PRESETS
+from nobubble.model.resolve import model_config
+from nobubble.optim.registry import OPTIMIZERS
+from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
+
+# the names each registry offers, for the settings that name an entry of one
+REGISTRY_NAMES: dict[str, tuple[str, ...]] = {
+    "preset": tuple(PRESETS),
+    "optim": OPTIMIZERS,
+    "schedule": SCHEDULE_NAMES,
+    "correction": CORRECTION_NAMES,
+}
+
+
+def build_config(*layers: dict[str, Any]) -> TrainConfig:
+    """Merge ``key: value`` layers over the defaults (later layers win) into a checked
+    configuration, ``chunks`` resolved."""
+    return resolve_config(merge_layers(*layers))
+
+
+def resolve_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` checked against the registries, with ``chunks`` resolved to the schedule's
+    default where it is not given."""
+    for key, field in FIELDS.items():
+        registry = field.metadata["registry"]
+        if registry is not None and registry != "correction":  # a combination: checked below
+            check_choice(key, getattr(cfg, key), REGISTRY_NAMES[registry])
+    spec = schedule_spec(cfg.schedule)
+    if cfg.chunks is None:
+        cfg = dataclasses.replace(cfg, chunks=spec.default_chunks)
+    problem = spec.chunk_problem(cfg.chunks)
+    if problem:
+        raise ConfigError(f"chunks={cfg.chunks}: {problem}")
+    check_corrections(cfg)
+    _check_schedule(cfg)
+    _check_model(cfg)
+    return cfg
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    spec = schedule_spec(cfg.schedule)
+    problem = spec.microbatch_problem(cfg.stages, cfg.microbatches)
+    if problem:
+        raise ConfigError(problem)
+    if spec.split_backward and (cfg.activation_checkpointing or cfg.compile):
+        raise ConfigError(
+            f"{spec.name} splits each backward in two with hooks on the stage's linear "
+            "layers, which activation checkpointing's recomputation and torch.compile's "
+            "graphs do not run as the forward did; set activation_checkpointing=false and "
+            "compile=false, or use 1f1b"
+        )
+    if spec.step_per_microbatch and cfg.microbatches != 1:
+        raise ConfigError(
+            f"{spec.name} steps the optimizer after every microbatch, so each step is one "
+            f"microbatch; set microbatches=1 (got {cfg.microbatches}) and choose batch_size "
+            "as the microbatch size"
+        )
+    stages = ParallelLayout.of(cfg).model_stages
+    if cfg.stage_layers is not None and len(cfg.stage_layers) != stages:
+        parts = (
+            f"stages={cfg.stages}"
+            if cfg.chunks == 1
+            else f"stages x chunks = {cfg.stages} x {cfg.chunks} = {stages}"
+        )
+        raise ConfigError(
+            f"stage_layers lists {len(cfg.stage_layers)} stages but {parts}; give one block "
+            "count per model stage"
+        )
+
+
+def _check_model(cfg: TrainConfig) -> None:
+    """The model's shape and its split over the model stages, as training will resolve them (but
+    for the vocabulary, which is only known once the tokenizer is read); a tied weight needs one
+    delay at both of its uses."""
+    mc = model_config(cfg, tokenizer_vocab=1)
+    try:
+        stages = len(stage_specs(cfg, mc))
+    except ConfigError as exc:
+        if cfg.chunks == 1:
+            raise
+        model_stages = ParallelLayout.of(cfg).model_stages
+        raise ConfigError(
+            f"{cfg.schedule} cuts the model into stages x chunks = {cfg.stages} x "
+            f"{cfg.chunks} = {model_stages} stages, and {exc}, or fewer chunks"
+        ) from None
+    if mc.tie_embeddings and stages > 1:
+        spec, last = schedule_spec(cfg.schedule), stages - 1
+        if spec.delay(0, stages) != spec.delay(last, stages):
+            raise ConfigError(
+                f"the head is tied to the embedding (tie_embeddings), and {spec.name} trains the "
+                f"embedding (stage 0) with gradient delay {spec.delay(0, stages)} and the "
+                f"head (stage {last}) with delay {spec.delay(last, stages)}, so the two uses "
+                "of the one tied weight would need different versions of it; set "
+                "tie_embeddings=false, or use 2bw (delay 1 on every stage) or a synchronous "
+                "schedule"
+            )

@@ -1,0 +1,151 @@
+"""The partition: which model stage owns which part of the model (and so which parameter).
+
+The model is ``[embedding, block 0..L-1, norm+head]``; a model stage owns a contiguous slice of
+it. This module is the one place that answers "which stage owns this": the split itself
+(:func:`partition`, :func:`stage_specs`) and each parameter's owner (:func:`stage_parameter_names`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.flops import block_flops, head_flops
+from nobubble.layout import ParallelLayout
+from nobubble.model.presets import ModelConfig
+
+TIED_WEIGHT = "embed.weight"  # the tied embedding/head weight, under this name in every layout
+TIED_HEAD_USE = "head.weight"  # where the full model's head reads it (a key of functional_call)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What one pipeline stage owns: the embedding?, a range of blocks, the norm+head?"""
+
+    index: int
+    blocks: range
+    has_embed: bool
+    has_head: bool
+
+
+def holds_tied_copy(mc: ModelConfig, spec: StageSpec) -> bool:
+    """Whether this stage holds one of the two copies of a tied weight split over stages: the
+    first or the last stage of a pipeline of several stages (one stage holds it once)."""
+    return mc.tie_embeddings and spec.has_embed != spec.has_head
+
+
+def partition(
+    n_layers: int,
+    stages: int,
+    embed_cost: float = 1.0,
+    head_cost: float = 1.0,
+    stage_layers: list[int] | None = None,
+) -> list[StageSpec]:
+    """Split the blocks into ``stages`` contiguous runs.
+
+    With ``stage_layers`` the runs have exactly those lengths. Otherwise the split minimizes the
+    most expensive stage, where a block costs 1, the embedding ``embed_cost`` (stage 0) and the
+    norm+head ``head_cost`` (last stage). Only the first and last stage may hold no block.
+    """
+    if stages < 1:
+        raise ConfigError(f"stages must be >= 1, got {stages}")
+    if stage_layers is not None:
+        if len(stage_layers) != stages or sum(stage_layers) != n_layers:
+            raise ConfigError(
+                f"stage_layers {stage_layers} must list {stages} block counts summing to the "
+                f"model's {n_layers} blocks"
+            )
+        if any(n < 0 for n in stage_layers):
+            raise ConfigError(f"stage_layers {stage_layers} has a negative block count")
+        counts = list(stage_layers)
+    else:
+        counts = _balanced_counts(n_layers, stages, embed_cost, head_cost)
+    for i, n in enumerate(counts):
+        if n == 0 and 0 < i < stages - 1:
+            raise ConfigError(
+                f"stage {i} of {stages} would hold no block; use fewer stages (the model has "
+                f"{n_layers} blocks) or give stage_layers explicitly"
+            )
+    specs, start = [], 0
+    for i, n in enumerate(counts):
+        specs.append(StageSpec(i, range(start, start + n), i == 0, i == stages - 1))
+        start += n
+    return specs
+
+
+def _balanced_counts(n_layers: int, stages: int, embed: float, head: float) -> list[int]:
+    if stages > n_layers + 2 or (stages > 2 and n_layers < stages - 2):
+        raise ConfigError(
+            f"cannot split {n_layers} blocks over {stages} stages: every stage but the first and "
+            f"the last needs a block, so at most {n_layers + 2} stages; use fewer stages or more "
+            "blocks (n_layers)"
+        )
+
+    def cost(stage: int, n: int) -> float:
+        return n + (embed if stage == 0 else 0.0) + (head if stage == stages - 1 else 0.0)
+
+    # best[s][k]: minimal max cost placing the first k blocks on stages 0..s
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(stages)]
+    choice = [[0] * (n_layers + 1) for _ in range(stages)]
+    for k in range(n_layers + 1):
+        best[0][k] = cost(0, k)
+    for s in range(1, stages):
+        middle = s < stages - 1
+        for k in range(n_layers + 1):
+            for n in range(1 if middle else 0, k + 1):
+                value = max(best[s - 1][k - n], cost(s, n))
+                if value < best[s][k] - 1e-12:
+                    best[s][k], choice[s][k] = value, n
+    counts, k = [], n_layers
+    for s in range(stages - 1, 0, -1):
+        counts.append(choice[s][k])
+        k -= choice[s][k]
+    counts.append(k)
+    return counts[::-1]
+
+
+def flop_costs(mc: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """The embedding's and the head's training FLOPs per token, in blocks (the mean block's):
+    the lookup counts none, the head 6 d V."""
+    block = sum(block_flops(mc, i, seq_len) for i in range(mc.n_layers)) / max(mc.n_layers, 1)
+    return 0.0, head_flops(mc) / block
+
+
+def resolve_partition(cfg: TrainConfig, mc: ModelConfig) -> TrainConfig:
+    """``cfg`` with ``partition=flops`` resolved into explicit ``stage_layers`` for the model
+    ``mc`` (its vocabulary known): the blocks split so the most expensive model stage has the
+    fewest FLOPs, the embedding and the head weighed by theirs. Saved in config.json, so a
+    resumed run, the report and every process read the split, not the rule."""
+    if cfg.partition != "flops" or cfg.stage_layers is not None:
+        return cfg
+    embed, head = flop_costs(mc, cfg.seq_len)
+    specs = partition(mc.n_layers, ParallelLayout.of(cfg).model_stages, embed, head)
+    return dataclasses.replace(cfg, stage_layers=[len(spec.blocks) for spec in specs])
+
+
+def stage_specs(cfg: TrainConfig, mc: ModelConfig) -> list[StageSpec]:
+    """The model stages of ``cfg`` (``stages`` x chunks of them) for the model ``mc``: the one
+    call every backend, check and tool makes to learn the split."""
+    stages = ParallelLayout.of(cfg).model_stages
+    return partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
+
+
+def stage_parameter_names(names: Sequence[str], specs: Sequence[StageSpec]) -> list[list[str]]:
+    """Assign every parameter name of the full model to the stage that owns it."""
+    owner: dict[str, int] = {}
+    for spec in specs:
+        if spec.has_embed:
+            owner["embed"] = spec.index
+        if spec.has_head:
+            owner["norm"] = owner["head"] = spec.index
+        for block in spec.blocks:
+            owner[f"blocks.{block}"] = spec.index
+    grouped: list[list[str]] = [[] for _ in specs]
+    for name in names:
+        prefix = name.split(".")[0]
+        key = f"blocks.{name.split('.')[1]}" if prefix == "blocks" else prefix
+        grouped[owner[key]].append(name)
+    return grouped

@@ -1,0 +1,269 @@
+"""The one-process engine: the exact semantics of every schedule, without communication.
+
+The model is cut into the schedule's model stages (the partition), each a
+:class:`~nobubble.update.TrainedStage` as a pipeline process holds it: its weight versions, its
+optimizer with the run's delay correction, and its update in the one order both backends share.
+At step t the forward and backward of every microbatch run with stage s at the weights its step
+runs at (version max(t - d, 0) for delay d, or the prediction ŵ; through
+``torch.func.functional_call``, so nothing is swapped in place under autograd), then every stage
+takes its gradient and applies its update. With every delay 0 this is exactly a plain
+gradient-accumulation training loop.
+
+Tied embeddings over several stages compute what the pipeline computes: the first and the last
+stage each hold a copy of the tied weight (``embed.weight``), the embedding reads the first's and
+the head the last's (as separate leaves, so each accumulates its own gradient over the
+microbatches, as on the two stages), both copies receive the sum of the two gradients and are
+clipped by its norm alone (:mod:`nobubble.update`), and each stage's optimizer steps its copy
+from the same bytes, so the copies stay bitwise equal. With one stage the weight is simply shared.
+
+With ``dp`` > 1 the one process computes what the replicas compute together: each microbatch is
+the whole of what the replicas split between them, so the run equals a data-parallel pipeline's up
+to the order of summation (docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from nobubble.checkpoint.named_state import NamedState
+from nobubble.config import TrainConfig
+from nobubble.engine import StepStats
+from nobubble.evaluation import EvalSums
+from nobubble.layout import ParallelLayout
+from nobubble.model.layers import build_model, lm_loss
+from nobubble.model.moe import Routing
+from nobubble.model.partition import TIED_HEAD_USE, TIED_WEIGHT, stage_parameter_names, stage_specs
+from nobubble.model.presets import ModelConfig
+from nobubble.profiling import OFF, label, labelled
+from nobubble.schedules.registry import schedule_spec
+from nobubble.stage_options import apply_stage_options, autocast
+from nobubble.update import TrainedStage, combined_norm
+from nobubble.versions import Weights, gradient_version
+
+MicroLoss = Callable[[Weights, torch.Tensor], torch.Tensor]
+
+
+class DelayedTrainer:
+    """Delayed-gradient training of any parameters split into stages with given delays.
+
+    ``micro_loss(weights, microbatch)`` returns the mean loss of one microbatch computed with
+    ``weights``; the step's gradient is the mean over its microbatches.
+
+    ``routing()`` takes the MoE routing sums of the step's microbatches; the balance biases among
+    the stages' parameters take their update from them at ``balance_rate``
+    (:func:`nobubble.model.moe.balance_routers`).
+
+    ``tied = (name, use)``: the first and the last stage both hold a parameter ``name``, copies
+    of one tied weight (both stages must have the same delay: the configuration checks it).
+    ``micro_loss`` finds the last stage's copy under ``use``. Both copies get the sum of their
+    gradients and each its stage's update (see :mod:`nobubble.update`).
+    """
+
+    def __init__(
+        self,
+        stage_params: Sequence[dict[str, torch.nn.Parameter]],
+        delays: Sequence[int],
+        micro_loss: MicroLoss,
+        cfg: TrainConfig,
+        tied: tuple[str, str] | None = None,
+        routing: Callable[[], Routing] = dict,
+        balance_rate: float = 0.0,
+    ) -> None:
+        last = len(stage_params) - 1
+        holds_tied = {0, last} if tied is not None else set()
+        self.stages = [
+            TrainedStage(
+                index,
+                params,
+                delay,
+                cfg,
+                tied[0] if index in holds_tied else None,
+                reports_tied=index == 0,
+            )
+            for index, (params, delay) in enumerate(zip(stage_params, delays, strict=True))
+        ]
+        self.delays = list(delays)
+        self.micro_loss, self.cfg, self.tied = micro_loss, cfg, tied
+        self.routing, self.balance_rate = routing, balance_rate
+        self.step = 0
+
+    @property
+    def stores(self) -> list:
+        """Every stage's weight versions."""
+        return [stage.store for stage in self.stages]
+
+    def train_step(self, microbatches: Sequence[torch.Tensor]) -> StepStats:
+        t = self.step
+        weights: Weights = {}
+        for stage in self.stages:
+            weights.update(self._uses(stage.index, stage.at(t)))
+        total = 0.0
+        versions = versions_label([gradient_version(t, d) for d in self.delays])
+        for index, micro in enumerate(microbatches):
+            number = t * len(microbatches) + index  # over the run, as in the schedule's picture
+            with label(f"F mb{number}", versions):
+                loss = self.micro_loss(weights, micro)
+            with label(f"B mb{number}", versions):
+                (loss / len(microbatches)).backward()
+            total += loss.item()
+        with label(f"STEP v{t + 1}"):
+            return self._update(t, total / len(microbatches))
+
+    def _update(self, t: int, loss: float) -> StepStats:
+        """Step ``t``'s update, once its gradients are complete: every stage in the one order."""
+        routing = self.routing()
+        for stage in self.stages:
+            stage.take_gradients(t)
+        if self.tied:
+            self._sum_tied_gradients()
+        norms, skipped, lr = [], [], 0.0
+        for stage in self.stages:
+            norm, ok, lr = stage.apply(t, routing, self.balance_rate)
+            norms.append(norm)
+            if not ok:
+                skipped.append(stage.index)
+        self.step += 1
+        return StepStats(t, loss, combined_norm(norms), lr, skipped, routing)
+
+    def _uses(self, stage: int, weights: Weights) -> Weights:
+        """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""
+        if self.tied is None or stage != len(self.stages) - 1:
+            return weights
+        name, use = self.tied
+        return {use if key == name else key: tensor for key, tensor in weights.items()}
+
+    def _sum_tied_gradients(self) -> None:
+        """Both copies get first + last (what the pipeline's all-reduce of the two gives)."""
+        name = self.tied[0]
+        first, last = self.stages[0].params[name], self.stages[-1].params[name]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in (first, last)]
+        first.grad = grads[0] + grads[1]
+        last.grad = first.grad.clone()  # clipped on its own, like the last stage's
+
+    def checkpoint_tensors(self) -> Weights:
+        """Every version held, as ``v{version}/{name}`` (the tied copies under one name)."""
+        return {key: t for stage in self.stages for key, t in stage.checkpoint_tensors().items()}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The step and the optimizer state by parameter name (any layout can load it); a tied
+        weight's state is the first stage's (the last stage's copy is bitwise the same)."""
+        skip = [self.tied[0]] if self.tied else []
+        parts = [s.named_state(skip if s.index > 0 else ()) for s in self.stages]
+        return {"step": self.step, "optimizer": NamedState.merge(parts)}
+
+    def restore(self, tensors: Weights, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: ``tensors`` as :meth:`checkpoint_tensors` (from any split
+        into stages), ``state`` as :meth:`checkpoint_state` (optimizer state by name)."""
+        self.step = state["step"]
+        optimizer: NamedState = state["optimizer"]
+        for stage in self.stages:
+            stage.restore(tensors, self._own(stage, optimizer), self.step)
+
+    def _own(self, stage: TrainedStage, state: NamedState) -> NamedState:
+        """``state`` for ``stage`` to load: the last stage's tied copy takes a copy of the tied
+        weight's state (torch's optimizers keep the tensors they load, and the two copies must
+        not share their moments)."""
+        if not self.tied or stage.index == 0 or self.tied[0] not in stage.params:
+            return state
+        tied = {self.tied[0]}
+        return NamedState.merge([state.select(state.names() - tied), deepcopy(state.select(tied))])
+
+
+class OneProcessEngine:
+    """Trains the whole model in one process under the delays of ``cfg.schedule``."""
+
+    layout = ParallelLayout(pp=1)  # a description only: one process, one checkpoint shard
+
+    def __init__(self, cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> None:
+        specs = stage_specs(cfg, mc)  # interleaved: every model stage, all in one process
+        delays = schedule_spec(cfg.schedule).delays(len(specs))
+        self.cfg, self.device = cfg, device
+        self.model = build_model(mc, cfg.seed).to(device)
+        apply_stage_options(self.model, cfg, device)
+        self.profiler = OFF
+        params = dict(self.model.named_parameters())
+        stage_params = [
+            {n: params[n] for n in names} for names in stage_parameter_names(list(params), specs)
+        ]
+        # tied over several stages: the last stage holds a copy for the head (module docstring)
+        self.split_tied = mc.tie_embeddings and len(specs) > 1
+        tied = None
+        if self.split_tied:
+            stage_params[-1][TIED_WEIGHT] = torch.nn.Parameter(params[TIED_WEIGHT].detach().clone())
+            tied = (TIED_WEIGHT, TIED_HEAD_USE)
+        self.trainer = DelayedTrainer(
+            stage_params,
+            delays,
+            self.micro_loss,
+            cfg,
+            tied,
+            self.model.take_routing,
+            mc.moe_bias_rate,
+        )
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def barrier(self) -> None:
+        """Nothing to wait for in one process."""
+
+    def stage_reports(self, digests: bool = True) -> None:
+        """No stages run apart in one process."""
+
+    def micro_loss(self, weights: Weights, micro: torch.Tensor) -> torch.Tensor:
+        with autocast(self.device, self.cfg.dtype):
+            # split tied copies: the head reads its own copy, not the embedding's
+            tie = not self.split_tied
+            logits = functional_call(self.model, weights, (micro[:, :-1],), tie_weights=tie)
+        return lm_loss(logits, micro[:, 1:])
+
+    def run_steps(
+        self,
+        stop: int,
+        next_batch: Callable[[], torch.Tensor],
+        on_step: Callable[[StepStats], None],
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        while self.step < stop and not should_stop():
+            step = self.step
+            self.profiler.before_step(step)
+            batch = next_batch().to(self.device)
+            on_step(self.trainer.train_step(batch.chunk(self.cfg.microbatches)))
+            self.profiler.after_step(step)
+
+    @torch.no_grad()
+    @labelled("evaluate")
+    def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor) -> EvalSums:
+        sums = EvalSums()
+        for batch in batches:
+            for micro in batch.to(self.device).chunk(self.cfg.microbatches):
+                with autocast(self.device, self.cfg.dtype):
+                    logits = self.model(micro[:, :-1])
+                sums.add(logits, micro[:, 1:], token_bytes)
+        return sums
+
+    def named_weights(self) -> Weights:
+        """The newest weights (what a plain training loop would hold after ``step`` updates)."""
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def checkpoint_tensors(self) -> Weights:
+        return self.trainer.checkpoint_tensors()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.trainer.checkpoint_state()
+
+    def restore(self, tensors: Weights, state: dict[str, Any]) -> None:
+        self.trainer.restore(tensors, state)
+
+
+def versions_label(versions: Sequence[int]) -> str:
+    """``v5`` when every stage uses version 5, else each stage's (``v3,4,5``: pipedream)."""
+    if len(set(versions)) == 1:
+        return f"v{versions[0]}"
+    return "v" + ",".join(map(str, versions))

@@ -1,0 +1,106 @@
+"""The pipelined evaluation: the validation batches forwarded through the stages at their newest
+weights, one microbatch at a time through each process's stages in order, and the totals
+gathered on the first stage of every replica."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from nobubble.config import TrainConfig
+from nobubble.evaluation import EvalSums
+from nobubble.layout import ParallelLayout
+from nobubble.pipeline.channels import Channel
+from nobubble.pipeline.comm import Messenger
+from nobubble.pipeline.held_stage import HeldStage
+from nobubble.pipeline.replicas import replica_rows
+from nobubble.stage_options import autocast
+
+
+class PipelinedEvaluation:
+    """The evaluations of this process over a run: ``held``, its stages by index;
+    ``hidden_shape``, what passes between stages; ``val_batches``, the batches of one
+    evaluation. Each evaluation's messages are numbered on from the last one's."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        layout: ParallelLayout,
+        messenger: Messenger,
+        device: torch.device,
+        held: Mapping[int, HeldStage],
+        hidden_shape: tuple[int, ...],
+        val_batches: int,
+    ) -> None:
+        self.cfg, self.layout, self.messenger, self.device = cfg, layout, messenger, device
+        self.held, self.hidden_shape, self.val_batches = held, hidden_shape, val_batches
+        self.sequence = 0
+
+    def run(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor | None) -> EvalSums:
+        """The validation totals of ``batches`` on the first stage (elsewhere: what this process
+        summed, if anything). Run without autograd (the engine's ``evaluate``)."""
+        sums = EvalSums()
+        micro = [
+            replica_rows(micro, self.layout)
+            for batch in batches
+            for micro in batch.to(self.device).chunk(self.cfg.microbatches)
+        ]
+        count = self.val_batches * self.cfg.microbatches
+        for i in range(count):
+            for stage, held in self.held.items():
+                out = self._forward(held, micro[i][:, :-1] if held.first else None, i)
+                if held.last:
+                    sums.add(out, micro[i][:, 1:], token_bytes)
+                else:
+                    chunk = self.layout.chunk_of(stage + 1)
+                    sequence = self.sequence + i
+                    self.messenger.send(
+                        out.float(), stage + 1, Channel.EVAL_ACTIVATION, sequence, chunk=chunk
+                    )
+        self.sequence += count
+        sums = self._gather_to_first_stage(sums)
+        self.messenger.drain()
+        return sums
+
+    def _forward(self, held: HeldStage, x: torch.Tensor | None, i: int) -> torch.Tensor:
+        """Stage ``held``'s output of microbatch ``i``: from its input ``x`` (the first stage's
+        tokens), or from the previous stage's activation."""
+        if x is None:
+            x = self.messenger.recv(
+                self.hidden_shape,
+                torch.float32,
+                self.device,
+                held.index - 1,
+                Channel.EVAL_ACTIVATION,
+                self.sequence + i,
+                f"evaluation activation {i}",
+                chunk=self.layout.chunk_of(held.index),
+            )
+        with autocast(self.device, self.cfg.dtype):
+            return held.module(x)
+
+    def _gather_to_first_stage(self, sums: EvalSums) -> EvalSums:
+        """The totals of every replica's share, on the first stage of every replica."""
+        reduction = self.held[self.layout.stages[-1]].reduction
+        if self.layout.is_last_stage and reduction:
+            totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
+            reduction.sum_now(totals, "the evaluation totals of the other replicas")
+            sums = EvalSums.from_list(totals.tolist())
+        if self.layout.pp == 1:
+            return sums
+        if self.layout.is_last_stage:
+            totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
+            self.messenger.send(totals, 0, Channel.EVAL_SUMS, self.sequence)
+        if self.layout.is_first_stage:
+            totals = self.messenger.recv(
+                (4,),
+                torch.float64,
+                self.device,
+                self.layout.model_stages - 1,
+                Channel.EVAL_SUMS,
+                self.sequence,
+                "evaluation totals",
+            )
+            return EvalSums.from_list(totals.tolist())
+        return sums

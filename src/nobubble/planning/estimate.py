@@ -1,0 +1,253 @@
+"""Step time, bubble and memory per rank of every schedule, from per-action costs.
+
+The schedule simulator runs each schedule with per-stage forward/backward times (FLOPs at a
+stated MFU) and a per-message time (latency + size / bandwidth). The steady-state step is the
+makespan of three steps minus that of two, so 2bw's and pipedream's one-off fill and drain are
+left out and a flushing schedule's fill and drain are in. The data-parallel all-reduce of each
+rank's FP32 gradients (ring: 2·(dp-1)/dp of the bytes over the all-reduce bandwidth) is exposed
+after a flushing schedule's step; 2bw and pipedream overlap it with the next step's compute (as
+nobubble's runtime does), so only what outlasts the rank's compute shows.
+
+Up to :data:`EXACT_MICROBATCHES` microbatches (or 40·P) every one of them is simulated. Above,
+a step's simulated timeline repeats with a period of a few microbatches once it has settled
+(:mod:`nobubble.schedules.steady`), so every figure grows by the same amount per period: the
+model simulates three shapes past that point, one period apart, checks that they grow evenly,
+and extends them to M exactly, at a cost that does not grow with M.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nobubble.config import ConfigError
+from nobubble.model.presets import ModelConfig
+from nobubble.planning.costs import BYTES_PER_WEIGHT_VERSION, BYTES_STATE_PER_PARAMETER, stage_costs
+from nobubble.planning.hardware import Device, Link
+from nobubble.schedules import SimResult, generate, lower, schedule_spec, simulate
+from nobubble.schedules.steady import Steady, steady_state
+
+GRADIENT_BYTES = 4
+# M up to which every microbatch is simulated: the larger of these. Beyond, extending three
+# shapes of about 10·P microbatches (their period found in one step of 16·P) costs less.
+EXACT_MICROBATCHES = 64
+EXACT_PER_STAGE = 40
+STEADY_LIMIT = 4096  # the longest step simulated to find where a schedule's timeline repeats
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelConfig
+    stages: int  # pipeline ranks P
+    microbatches: int  # M per step
+    microbatch_size: int  # sequences
+    seq_len: int
+    dp: int
+    device: Device
+    mfu: float
+    p2p: Link
+    allreduce: Link
+    chunks: int = 2  # stages per rank of interleaved schedules
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.microbatches * self.microbatch_size * self.seq_len * self.dp
+
+
+@dataclass(frozen=True)
+class Estimate:
+    schedule: str
+    step_s: float
+    tokens_per_s: float
+    bubble: float  # mean idle share of the ranks' pipeline time per step
+    exposed_allreduce_s: float
+    memory_gb: list[float]  # per rank
+
+    @property
+    def peak_memory_gb(self) -> float:
+        return max(self.memory_gb)
+
+
+def shape_problem(plan: Plan, schedule: str) -> str | None:
+    """Why ``schedule`` cannot run ``plan``'s shape (its M rule, its stages per rank, too few
+    blocks for its model stages), or None."""
+    spec = schedule_spec(schedule)
+    chunks = plan.chunks if spec.interleaved else 1
+    problem = spec.microbatch_problem(plan.stages, plan.microbatches) or spec.chunk_problem(chunks)
+    if problem is None and plan.model.n_layers < plan.stages * chunks:
+        problem = f"{plan.model.n_layers} blocks cannot fill {plan.stages * chunks} stages"
+    return problem
+
+
+@dataclass(frozen=True)
+class _Times:
+    """Per-stage action times of one plan and schedule (seconds)."""
+
+    fwd: list[float]
+    bwd: list[float]
+    wgrad: list[float]
+    comm: float
+
+
+@dataclass(frozen=True)
+class _Simulated:
+    """What the cost model reads off the simulator for M microbatches per step."""
+
+    pipeline_s: float  # the steady step: three steps' makespan minus two's
+    peak_activations: tuple[int, ...]  # per rank
+    stage_weight_versions: tuple[int, ...]  # per stage
+    rank_stages: tuple[tuple[int, ...], ...]
+
+    def minus(self, earlier: _Simulated) -> _Simulated:
+        """What these figures add to ``earlier``'s (a shape's growth over a period)."""
+        return _Simulated(
+            self.pipeline_s - earlier.pipeline_s,
+            _minus(self.peak_activations, earlier.peak_activations),
+            _minus(self.stage_weight_versions, earlier.stage_weight_versions),
+            self.rank_stages,
+        )
+
+    def plus(self, growth: _Simulated, times: int) -> _Simulated:
+        """These figures and ``times`` times ``growth``."""
+        return _Simulated(
+            self.pipeline_s + times * growth.pipeline_s,
+            _plus(self.peak_activations, growth.peak_activations, times),
+            _plus(self.stage_weight_versions, growth.stage_weight_versions, times),
+            self.rank_stages,
+        )
+
+    def same_as(self, other: _Simulated) -> bool:
+        """Equal figures, the time to float precision."""
+        return (
+            math.isclose(self.pipeline_s, other.pipeline_s, rel_tol=1e-9, abs_tol=1e-15)
+            and self.peak_activations == other.peak_activations
+            and self.stage_weight_versions == other.stage_weight_versions
+        )
+
+
+def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(a, b, strict=True))
+
+
+def _plus(a: tuple[int, ...], d: tuple[int, ...], times: int) -> tuple[int, ...]:
+    return tuple(x + times * y for x, y in zip(a, d, strict=True))
+
+
+def _run(
+    plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int, steps: int
+) -> SimResult:
+    actions = generate(schedule, plan.stages, microbatches, steps, chunks)
+    return simulate(
+        lower(actions), fwd=times.fwd, bwd=times.bwd, comm=times.comm, wgrad=times.wgrad
+    )
+
+
+def _simulated(
+    plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int
+) -> _Simulated:
+    """Every microbatch of two and of three steps."""
+    two = _run(plan, schedule, chunks, times, microbatches, 2)
+    three = _run(plan, schedule, chunks, times, microbatches, 3)
+    return _Simulated(
+        three.makespan - two.makespan,
+        tuple(three.peak_activations),
+        tuple(three.stage_weight_versions),
+        tuple(map(tuple, three.rank_stages)),
+    )
+
+
+def _simulated_up_to(plan: Plan) -> int:
+    """The largest M simulated microbatch by microbatch."""
+    return max(EXACT_MICROBATCHES, EXACT_PER_STAGE * plan.stages)
+
+
+def _steady(plan: Plan, schedule: str, chunks: int, times: _Times, cool_down: int) -> Steady:
+    """Where one long step of ``schedule`` repeats: steps of doubling length, up to
+    :data:`STEADY_LIMIT` microbatches."""
+    length = 16 * plan.stages  # a multiple of P, as interleaved schedules need
+    while length <= STEADY_LIMIT:
+        steady = steady_state(_run(plan, schedule, chunks, times, length, 1), cool_down)
+        if steady is not None:
+            return steady
+        length *= 2
+    raise ConfigError(
+        f"--microbatches {plan.microbatches}: a simulated step of {schedule} did not settle "
+        f"into a repeating pattern within {STEADY_LIMIT} microbatches, so its figures cannot "
+        f"be extended from a bounded simulation; use --microbatches {_simulated_up_to(plan)} "
+        "or fewer (simulated microbatch by microbatch)"
+    )
+
+
+def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulated:
+    """The simulator's figures for ``plan.microbatches``: simulated, or extended exactly from
+    three simulated shapes a period apart once the steps repeat (see the module's note)."""
+    m = plan.microbatches
+    if m <= _simulated_up_to(plan):
+        return _simulated(plan, schedule, chunks, times, m)
+    # the last microbatches, whose actions a step's end reorders: those within a warm-up (at
+    # most 2P forwards ahead, zb-h2) and, interleaved, their group of P
+    cool_down = 3 * plan.stages + 2
+    steady = _steady(plan, schedule, chunks, times, cool_down)
+    # interleaved schedules take M in multiples of P: so do the shapes simulated
+    period = math.lcm(steady.period, plan.stages) if chunks > 1 else steady.period
+    base = steady.settled + cool_down + period
+    base += (m - base) % period
+    if m <= base + 2 * period:
+        return _simulated(plan, schedule, chunks, times, m)
+    first, second, third = (
+        _simulated(plan, schedule, chunks, times, base + i * period) for i in range(3)
+    )
+    growth = second.minus(first)
+    if not growth.same_as(third.minus(second)):
+        raise ConfigError(
+            f"--microbatches {m}: {schedule}'s simulated steps of {base}, {base + period} and "
+            f"{base + 2 * period} microbatches do not grow evenly, so its figures cannot be "
+            f"extended from them; use --microbatches {_simulated_up_to(plan)} or fewer "
+            "(simulated microbatch by microbatch)"
+        )
+    return third.plus(growth, (m - base) // period - 2)
+
+
+def estimate(plan: Plan, schedule: str) -> Estimate:
+    spec = schedule_spec(schedule)
+    chunks = plan.chunks if spec.interleaved else 1
+    costs = stage_costs(plan.model, plan.stages * chunks, plan.seq_len, plan.microbatch_size)
+    flops_per_s = plan.device.peak_tflops * 1e12 * plan.mfu
+    fwd = [c.forward_flops / flops_per_s for c in costs]
+    bwd = [2 * f for f in fwd]
+    wgrad = [c.weight_flops / flops_per_s for c in costs]
+    comm = plan.p2p.latency_us * 1e-6 + costs[0].message_bytes / (plan.p2p.gb_per_s * 1e9)
+    simulated = _figures(plan, schedule, chunks, _Times(fwd, bwd, wgrad, comm))
+    pipeline_s = simulated.pipeline_s
+    ranks = simulated.rank_stages
+    busy = [plan.microbatches * sum(fwd[s] + bwd[s] for s in stages) for stages in ranks]
+    exposed = 0.0
+    if plan.dp > 1:  # pipedream updates, and so all-reduces, after every microbatch
+        ring = 2 * (plan.dp - 1) / plan.dp
+        per_step = plan.microbatches if spec.step_per_microbatch else 1
+        for r, stages in enumerate(ranks):
+            grad_bytes = GRADIENT_BYTES * sum(costs[s].parameters for s in stages)
+            allreduce_s = ring * grad_bytes / (plan.allreduce.gb_per_s * 1e9)
+            hidden = 0.0 if spec.flushes else busy[r] / per_step
+            exposed = max(exposed, per_step * max(allreduce_s - hidden, 0.0))
+    step_s = pipeline_s + exposed
+    memory = []
+    for r, stages in enumerate(ranks):
+        weights = sum(
+            costs[s].parameters
+            * (
+                BYTES_PER_WEIGHT_VERSION * simulated.stage_weight_versions[s]
+                + BYTES_STATE_PER_PARAMETER
+            )
+            for s in stages
+        )
+        per_activation = sum(costs[s].activation_bytes for s in stages) / len(stages)
+        memory.append((weights + simulated.peak_activations[r] * per_activation) / 1e9)
+    return Estimate(
+        schedule=schedule,
+        step_s=step_s,
+        tokens_per_s=plan.tokens_per_step / step_s,
+        bubble=1 - sum(busy) / (len(busy) * pipeline_s),
+        exposed_allreduce_s=exposed,
+        memory_gb=memory,
+    )

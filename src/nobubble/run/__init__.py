@@ -1,0 +1,2 @@
+"""The run: one setup for both launchers, the training loop, checkpoints, step logging and the
+summary (docs/architecture.md)."""

@@ -1,0 +1,87 @@
+"""Saving a run's checkpoint from an engine, and restoring an engine from one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from nobubble.checkpoint.files import (
+    CheckpointError,
+    CheckpointReader,
+    checkpoint_name,
+    prune,
+    publish,
+    read_meta,
+    staging_dir,
+    write_shard,
+)
+from nobubble.checkpoint.named_state import NamedStateError
+from nobubble.config import TrainConfig
+from nobubble.data import DataBundle
+from nobubble.engine import Engine
+from nobubble.resume import tokenizer_digest
+from nobubble.run.steplog import Elapsed
+from nobubble.runfolder import RunFolder
+
+
+def save_checkpoint(
+    run: RunFolder, engine: Engine, data: DataBundle | None, cfg: TrainConfig, elapsed: Elapsed
+) -> None:
+    """Replica 0 of every stage writes that stage's shard (the replicas of a stage hold the same
+    weights and optimizer state); the leader seals the checkpoint once all are written."""
+    root, layout = run.checkpoints, engine.layout
+    if layout.replica == 0:
+        state = engine.checkpoint_state()
+        meta = {
+            "step": engine.step,
+            "data": data.train.state_dict() if data else None,
+            # the leader's alone (shard 0, which a resume checks): no other rank reads run files
+            "tokenizer_sha256": tokenizer_digest(run.path) if layout.is_leader else None,
+            "config": cfg.to_dict(),
+            "elapsed": asdict(elapsed),
+        }
+        write_shard(
+            staging_dir(root, engine.step),
+            layout.shard,
+            engine.checkpoint_tensors(),
+            state["step"],
+            state["optimizer"],
+            torch.get_rng_state(),
+            meta,
+        )
+    engine.barrier()
+    if layout.is_leader:
+        publish(
+            staging_dir(root, engine.step),
+            root / checkpoint_name(engine.step),
+            engine.step,
+            layout.shards,
+        )
+        prune(root, cfg.keep_checkpoints)
+    engine.barrier()
+
+
+def restore_checkpoint(folder: Path | None, engine: Engine, data: DataBundle | None) -> Elapsed:
+    """Load this process's parameters from a verified checkpoint (if any) into the engine, and
+    the data position; return the time the run had spent up to it.
+
+    The checkpoint may come from any layout (the one-process engine, another number of stages): the
+    process reads its parameters by name from whichever shards hold them. Whether the layout may
+    change at all was decided when the run was opened (:func:`nobubble.resume.reopen`).
+    """
+    if folder is None:
+        return Elapsed()
+    reader = CheckpointReader(folder)
+    names = {key.split("/", 1)[1] for key in engine.checkpoint_tensors()}  # this stage's
+    try:
+        loaded = reader.load(names, complete=engine.layout.shards == 1)
+        engine.restore(loaded.weights, {"step": loaded.step, "optimizer": loaded.optimizer})
+    except NamedStateError as exc:
+        raise CheckpointError(f"cannot continue from {folder}: {exc}") from None
+    torch.set_rng_state(reader.rng(engine.layout.shard))
+    meta = read_meta(folder, 0)  # shard 0 is the first stage's, which always reads the data
+    if data is not None:
+        data.train.load_state_dict(meta["data"])
+    return Elapsed(**meta.get("elapsed", {}))  # checkpoints older than "elapsed" count from 0
