@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nobubble.checkpoint.files import newest_weights
+from nobubble.staleness import DRIFT
 from tests.launcher import run_nobubble
 
 # A model and data small enough for 4 processes on 2 cores, big enough to have 4 blocks.
@@ -92,9 +93,15 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes | None]]:
     }
 
 
+def drifts(run: Path) -> list[tuple[int, list[float | None]]]:
+    """Each evaluation's weight drift per model stage (nobubble.staleness)."""
+    return [(r["step"], r[DRIFT]) for r in metrics(run) if DRIFT in r]
+
+
 def assert_same_run(a: Path, b: Path) -> None:
-    """Same loss trajectory and final weights, bit for bit."""
+    """Same loss trajectory, weight drift and final weights, bit for bit."""
     assert losses(a) == losses(b)
+    assert drifts(a) == drifts(b)
     wa, wb = final_weights(a), final_weights(b)
     assert wa.keys() == wb.keys()
     for name in wa:
