@@ -277,6 +277,14 @@ def test_adaptive_dc_matches_formula(delay):
     assert run(constant, 5, delay, name="embed.weight") != pytest.approx(w, rel=1e-6)
 
 
+@pytest.mark.parametrize("name", ["spike", "dc"])
+def test_spike_and_dc_do_nothing_without_a_delay(name):
+    """Their control under a synchronous schedule is the synchronous run itself (predict is
+    refused there): the study runs no such control (docs/corrections.md)."""
+    corrected = TrainConfig(**ADAMW, correction=name, dc_lambda=10.0)
+    assert run(corrected, 5, delay=0) == run(TrainConfig(**ADAMW), 5, delay=0)
+
+
 # -- state, refusals -----------------------------------------------------------------------------
 
 

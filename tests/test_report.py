@@ -377,7 +377,7 @@ def test_each_correction_against_its_control_without_a_delay(tmp_path, capsys):
     costs 0.4); 2bw+EF 2.15: the delay costs 0.10 beside EF's control, 75% of 0.4 removed (the
     gap closed column, 2.4 against 2.15, says 63%)."""
     make_run(tmp_path, 2.0, schedule="sync")
-    make_run(tmp_path, 2.05, schedule="sync", ef=True, ef_gamma=1.5)
+    make_run(tmp_path, 2.05, schedule="sync", correction="ef", ef_gamma=1.5)  # spelled apart
     make_run(tmp_path, 2.4, schedule="2bw")
     make_run(tmp_path, 2.15, schedule="2bw", ef=True, ef_gamma=1.5)
     make_run(tmp_path, 2.3, schedule="2bw", ef=True)  # no control at γ = 1: no row

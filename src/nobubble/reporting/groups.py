@@ -314,8 +314,9 @@ def controls(rows: Sequence[Comparison]) -> list[Control]:
         group = row.group
         if not group.corrections or group.settings["schedule"] in SYNCHRONOUS_SCHEDULES:
             continue
-        same = group.corrections
-        control = _find(rows, group, lambda g, same=same: g.corrections == same, PARALLEL_KEYS)
+        same = group.corrections  # however they were spelled (ef=true or correction=ef)
+        spelling = (*PARALLEL_KEYS, "correction", "ef")
+        control = _find(rows, group, lambda g, same=same: g.corrections == same, spelling)
         plain = _find(rows, group, lambda g: not g.corrections, CORRECTION_KEYS, synchronous=False)
         gaps = [r.gap for r in (row, control, plain) if r is not None]
         if len(gaps) == 3 and all(g is not None and math.isfinite(g) for g in gaps):
