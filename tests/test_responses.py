@@ -201,6 +201,11 @@ def test_nobubble_corrections_prints_each_response_and_the_auto_choice(capsys):
     assert "auto: correction=auto for adamw under 2bw: ef (ef_gamma=2.0)" in out
     assert "our generalisation: Ajanthan et al." in out
 
+    assert main(["corrections", "optim=adamw", "ef_gamma=1.5"]) == 0  # a strength of one's own
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
+    assert rows["ef"][1:4] == ["ef_gamma=1.5", "2.5,", "-1.5"]
+
     assert main(["corrections", "optim=muon", "schedule=pipedream", "stages=3"]) == 0
     out = capsys.readouterr().out
     assert "gradient delay per model stage [2, 1, 0]" in out

@@ -47,6 +47,7 @@ from nobubble.update import TrainedStage, combined_norm
 from nobubble.versions import Weights, gradient_version
 
 MicroLoss = Callable[[Weights, torch.Tensor], torch.Tensor]
+Gradients = tuple[torch.Tensor | None, ...]  # a stage's, in the order of its weights
 
 
 class DelayedTrainer:
@@ -121,7 +122,7 @@ class DelayedTrainer:
         every = self.cfg.staleness_every
         return bool(every) and (t + 1) % every == 0 and any(self.delays)
 
-    def _fresh_gradients(self, microbatches: Sequence[torch.Tensor]) -> list[tuple]:
+    def _fresh_gradients(self, microbatches: Sequence[torch.Tensor]) -> list[Gradients]:
         """Each stage's gradient of the step's loss with every stage at its newest weights (what a
         synchronous step would compute), without touching any ``.grad``; run before the step's
         own forwards so that its MoE routing sums are dropped, not counted."""
@@ -140,7 +141,7 @@ class DelayedTrainer:
             start += len(part)
         return grads
 
-    def _cosines(self, t: int, fresh: list[tuple]) -> list[float | None]:
+    def _cosines(self, t: int, fresh: list[Gradients]) -> list[float | None]:
         """Per stage: the cosine between its gradient at the weights step ``t`` ran at and the
         fresh one (None for a stage without a delay)."""
         out = []

@@ -9,7 +9,7 @@ import argparse
 
 from nobubble.config import ConfigError, TrainConfig, parse_overrides
 from nobubble.configure import build_config
-from nobubble.corrections.auto import AUTO, choose
+from nobubble.corrections.auto import choose
 from nobubble.corrections.registry import REGISTRY, chosen, step_response
 from nobubble.corrections.response import Response, largest_stable_step, momentum
 from nobubble.layout import ParallelLayout
@@ -106,7 +106,7 @@ def describe(overrides: dict, terms: int) -> str:
         f"{view.response.mean_delay():.2f} steps"
         + ("" if view.linear else " (its step is not linear in the gradient: no stable step)"),
         f"{cfg.schedule}: gradient delay per model stage {delays}",
-        f"auto: {choose(build_config({**base, 'correction': AUTO})).why}",
+        f"auto: {choose(cfg).why}",  # (its strengths replace the ones given here)
     ]
     if view.linear:
         sync = build_config({**base, "schedule": "sync", "stages": 1, "correction": "none"})
