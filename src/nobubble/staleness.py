@@ -1,9 +1,10 @@
 """Staleness you can see: how far a delayed stage's weights have moved from the version its
 gradients are computed at, and how far its gradient points from the fresh one.
 
-- **Weight drift** (every evaluation, both engines): ‖w[t] - w[t-d]‖ / ‖w[t]‖ over a stage's
-  trained parameters, w[t] its newest version and w[t-d] the one its next step's gradient is
-  computed at (with weight prediction, the version ŵ extrapolates from). metrics.jsonl's
+- **Weight drift** (every evaluation, both engines, bitwise the same): ‖w[t] - w[t-d]‖ / ‖w[t]‖
+  over a stage's trained parameters (summed in name order), w[t] its newest version and w[t-d]
+  the one its next step's gradient is computed at (with weight prediction, the version ŵ
+  extrapolates from). metrics.jsonl's
   evaluation lines carry one value per model stage (``weight_drift``; null for a stage without a
   delay).
 - **Gradient cosine** (one-process engine, every ``staleness_every`` steps): the cosine between a
@@ -32,7 +33,8 @@ def weight_drift(store: VersionStore, delay: int) -> float | None:
         return None
     newest = store.newest
     new, old = store[newest], store[gradient_version(newest, delay)]
-    names = [name for name, p in store.params.items() if p.requires_grad]
+    # in name order: the engines hold a stage's parameters in different orders (a tied copy)
+    names = sorted(name for name, p in store.params.items() if p.requires_grad)
     moved = _squares(new[n] - old[n] for n in names)
     size = _squares(new[n] for n in names)
     if size == 0:
