@@ -194,6 +194,10 @@ UNUSED = [
     ({"bin_dtype": "uint32", "data": "shards"}, False, set()),  # a folder may hold .bin shards
     ({"bpe_vocab_size": 512}, False, {"bpe_vocab_size"}),
     ({"bpe_vocab_size": 512, "tokenizer": "bpe"}, False, set()),
+    ({"staleness_every": 5}, False, {"staleness_every"}),  # sync: no delay
+    ({"staleness_every": 5, "schedule": "2bw"}, False, set()),
+    ({"staleness_every": 5, "schedule": "2bw", "stages": 2, "microbatches": 2}, True,
+     {"staleness_every"}),  # the pipeline measures the drift only
     ({"wandb_project": "p", "wandb_mode": "offline"}, False, {"wandb_project", "wandb_mode"}),
     ({"wandb_project": "p", "logger": "tensorboard,wandb"}, False, set()),
     ({"lr": 1e-3, "steps": 5, "weight_decay": 0.0, "warmup_steps": 0}, False, set()),  # read by all

@@ -65,6 +65,7 @@ from nobubble.profiling import OFF, action_label, labelled
 from nobubble.schedules import Action, ActionKind, schedule_spec
 from nobubble.stage_options import autocast
 from nobubble.stage_report import StageReport
+from nobubble.staleness import weight_drift
 
 RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
 
@@ -230,6 +231,22 @@ class PipelineEngine:
         reports = [None] * self.layout.world if self.layout.is_leader else None
         dist.gather_object(report, reports, dst=self.layout.leader)
         return reports
+
+    def weight_drift(self) -> list[float | None] | None:
+        """Each model stage's weight drift (:mod:`nobubble.staleness`), each process measuring
+        its own stages at the pause and the leader gathering them (a collective call, at an
+        evaluation: the pipeline has drained); None on the other ranks, and where no stage has
+        a gradient delay (the same answer on every rank, without a message)."""
+        stages = self.layout.model_stages
+        if not any(schedule_spec(self.cfg.schedule).delays(stages)):
+            return None
+        mine = {s: weight_drift(h.trained.store, h.trained.delay) for s, h in self.held.items()}
+        parts = [None] * self.layout.world if self.layout.is_leader else None
+        dist.gather_object(mine, parts, dst=self.layout.leader)
+        if parts is None:
+            return None
+        drift = {s: value for part in parts for s, value in part.items()}  # replicas agree
+        return [drift[s] for s in range(stages)]
 
     def newest_weights(self) -> dict[str, torch.Tensor]:
         """The newest version of every parameter this process holds, by name."""
