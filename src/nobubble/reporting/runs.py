@@ -25,6 +25,7 @@ from nobubble.schedules.registry import SCHEDULES
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
 NON_RESULT_KEYS = ("out", "name", "threads", "progress", "p2p_timeout_s", "p2p_routes")
+NON_RESULT_KEYS += ("emulate_nccl",)
 
 
 class ReportError(ConfigError):
