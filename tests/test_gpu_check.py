@@ -24,10 +24,12 @@ def test_no_gpu_no_run():
 def test_one_gpu_runs_every_schedule_with_its_processes_sharing_the_gpu_over_emulated_nccl():
     runs = plan(1)
     rows = [run for run in runs if run.reference and not run.name.startswith("one-process")]
-    assert {run.schedule for run in rows} == set(gpu_check.SCHEDULES)
+    assert {run.schedule for run in rows if run.name.endswith("-gloo")} == set(gpu_check.SCHEDULES)
     for run in rows:
         assert (run.processes, run.gpus) == (2, 1)
-        assert {"dist_backend=gloo", "emulate_nccl=true"} <= set(run.settings)
+        assert "dist_backend=gloo" in run.settings
+        assert ("emulate_nccl=true" in run.settings) is not run.name.endswith("-plain")
+    assert "2bw-p2-gloo-plain" in {run.name for run in rows}  # gloo's own order and sums
     assert runs[-1].name == "2bw-p2-gloo-compiled" and runs[-1].expect == CLOSE
     assert {"compile=true", "activation_checkpointing=true"} <= set(runs[-1].settings)
 
@@ -47,7 +49,8 @@ def test_two_gpus_add_nccl_for_every_schedule_and_share_a_gpu_once():
     for schedule in gpu_check.SCHEDULES:
         nccl = runs[f"{schedule}-p2-nccl"]
         assert (nccl.processes, nccl.gpus) == (2, 2) and "dist_backend=nccl" in nccl.settings
-    assert [name for name in runs if name.endswith("-gloo")] == ["2bw-p2-gloo"]
+    assert [name for name in runs if "gloo" in name] == ["2bw-p2-gloo"]  # emulated NCCL
+    assert "emulate_nccl=true" in runs["2bw-p2-gloo"].settings
     assert "1f1b-p4-nccl" not in runs and "2bw-p2-dp2-nccl" not in runs
 
 
@@ -154,21 +157,21 @@ def test_the_table_and_its_json_from_run_folders(tmp_path, capsys):
     printed = capsys.readouterr().out
     rows = {row["run"]: row for row in json.loads((out / "table.json").read_text())["rows"]}
     assert rows.keys() == {run.name for run in plan(1)}
-    assert rows["one-process-sync"]["parity"] == "reference" and rows["one-process-sync"]["passed"]
-    assert rows["one-process-pipedream"]["parity"] == "failed"  # no run folder at all
+    assert rows["one-process-sync"]["parity"] == "reference"
+    assert not rows["one-process-sync"]["failed"]
+    assert rows["one-process-pipedream"]["parity"] == "not run"  # no folder: out of time
+    assert not rows["one-process-pipedream"]["failed"]
     assert rows["one-process-2bw-again"]["parity"] == "noise floor"  # no failure: a fact
-    assert rows["one-process-2bw-again"]["passed"]
+    assert not rows["one-process-2bw-again"]["failed"]
     gpipe = rows["gpipe-p2-gloo"]
-    assert (gpipe["parity"], gpipe["passed"], gpipe["reference"]) == (
-        "bitwise",
-        True,
-        "one-process-sync",
-    )
+    assert (gpipe["parity"], gpipe["failed"]) == ("bitwise", False)
+    assert gpipe["reference"] == "one-process-sync"
     assert gpipe["peak_mem_mb"] == 3500.0  # the larger of its two processes'
     assert gpipe["mfu"] == pytest.approx(0.1)  # 99 / (990 x 1 GPU): its processes share one
     assert gpipe["tokens_per_s"] == 800.0 and (gpipe["stages"], gpipe["dp"]) == (2, 1)
-    assert rows["1f1b-p2-gloo"]["parity"] == "DIFFERS" and not rows["1f1b-p2-gloo"]["passed"]
-    assert rows["2bw-p2-gloo"]["parity"] == "failed" and rows["2bw-p2-gloo"]["mfu"] is None
+    assert rows["1f1b-p2-gloo"]["parity"] == "DIFFERS" and rows["1f1b-p2-gloo"]["failed"]
+    assert rows["2bw-p2-gloo"]["parity"] == "failed" and rows["2bw-p2-gloo"]["failed"]
+    assert rows["2bw-p2-gloo"]["mfu"] is None
     assert rows["zb-h1-p2-gloo"]["parity"] == "not run"
     assert printed.startswith("| run | transport | GPUs | parity (vs reference) |")
     gpipe_line = "| gpipe-p2-gloo | gloo, emulated NCCL, one GPU shared | 1 | bitwise (vs "
@@ -192,7 +195,8 @@ CPU_ROWS = [
 
 def on_the_cpu(settings: tuple[str, ...]) -> list[str]:
     nccl = "dist_backend=nccl"
-    return [s for s in settings if s != nccl] + (list(gpu_check.GLOO) if nccl in settings else [])
+    emulated = list(gpu_check.EMULATED) if nccl in settings else []
+    return [s for s in settings if s != nccl] + emulated
 
 
 @pytest.mark.slow
