@@ -20,14 +20,15 @@
 #                     what is left
 #   GPU_CHECK_GPUS    use at most this many GPUs (default: all visible)
 #
-# The table's runs (python -m nobubble.gpu_check plan --gpus N prints them; docs/pipeline.md,
-# "Checking the CUDA path on GPUs"), by the number of GPUs N:
+# The table's runs (python -m nobubble.gpu_check plan --gpus N prints them; docs/benchmarks.md,
+# "The GPU check"), by the number of GPUs N:
 #   N = 0  nothing: an error
 #   N = 1  every schedule (gpipe, 1f1b, zb-h1, zb-h2, interleaved-1f1b, 2bw, pipedream) on two
 #          processes that share the GPU over gloo with CUDA tensors, under the NCCL emulator
 #          (dist_backend=gloo emulate_nccl=true): every CUDA path of the pipeline but NCCL itself;
-#          2bw again with compile and activation checkpointing
-#   N >= 2 every schedule on NCCL, a GPU per process; 2bw once more sharing one GPU over gloo
+#          2bw again over plain gloo, and with compile and activation checkpointing
+#   N >= 2 every schedule on NCCL, a GPU per process; 2bw once more sharing one GPU under the
+#          emulator, and compiled
 #   N >= 4 + 1f1b on four stages, 2bw on two stages x two replicas
 #   N >= 8 + 2bw on four stages x two replicas
 # and the one-process references they are compared with (the 2bw one twice: whether the GPU
