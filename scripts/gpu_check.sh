@@ -173,10 +173,12 @@ rm -rf "$OUT"/runs/one-process-*/checkpoints
 cat "$OUT/table.md" >&2
 
 # -- as time allows --------------------------------------------------------------------------------
-# an MoE model (docs/moe.md): routing, bias balancing and the statistics on cuda, in one process
+# an MoE model (docs/moe.md): routing, bias balancing and the statistics on cuda, in one
+# process, with Muon (its Newton-Schulz in bfloat16 on a GPU)
 step moe-single-process-cuda "$PY" -m nobubble train --no-progress --overwrite \
     --out "$OUT/runs/moe-single-cuda" device=cuda preset=cpu-moe moe_bias_rate=0.001 \
-    schedule=2bw stages=2 microbatches=4 steps=20 batch_size=16 seq_len=128 eval_every=0
+    optim=muon schedule=2bw stages=2 microbatches=4 steps=20 batch_size=16 seq_len=128 \
+    eval_every=0
 
 # -- two GPUs and more ---------------------------------------------------------------------------
 if ((GPUS >= 2)); then
