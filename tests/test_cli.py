@@ -179,6 +179,8 @@ UNUSED = [
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, False,
      {"p2p_timeout_s", "p2p_routes"}),
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, True, set()),
+    ({"emulate_nccl": True, "dist_backend": "gloo"}, False, {"emulate_nccl", "dist_backend"}),
+    ({"emulate_nccl": True, "dist_backend": "gloo", "stages": 2}, True, set()),
     ({"embed_cost": 2.0, "head_cost": 0.5}, False, {"embed_cost", "head_cost"}),
     ({"embed_cost": 2.0, "head_cost": 0.5, "stages": 2}, False, set()),
     ({"embed_cost": 2.0, "stages": 2, "stage_layers": [3, 1]}, False, {"embed_cost"}),

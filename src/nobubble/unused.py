@@ -158,6 +158,8 @@ READ_WHEN: dict[str, ReadWhen] = {
     ),
     "p2p_timeout_s": _TORCHRUN,
     "p2p_routes": _TORCHRUN,
+    "dist_backend": _TORCHRUN,
+    "emulate_nccl": _TORCHRUN,
     "partition": ReadWhen(
         "the blocks are split over several model stages by a rule (stage_layers not given)",
         lambda cfg, _: _split_by_rule(cfg),

@@ -60,6 +60,7 @@ from nobubble.pipeline.links import Links, resolve_links
 from nobubble.pipeline.plan import RECV_AHEAD, Plan
 from nobubble.pipeline.replicas import replica_rows
 from nobubble.pipeline.stats import StepStatistics
+from nobubble.pipeline.transport import active
 from nobubble.pipeline.updates import Updates
 from nobubble.profiling import OFF, action_label, labelled
 from nobubble.schedules import Action, ActionKind, schedule_spec
@@ -94,7 +95,8 @@ class PipelineEngine:
             for stage in layout.stages
         }
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
-        links = Links.build(layout, resolve_links(cfg.p2p_routes, dist.get_backend()))
+        routes = resolve_links(cfg.p2p_routes, dist.get_backend(), active().emulated)
+        links = Links.build(layout, routes)
         self.messenger = Messenger(layout, cfg.p2p_timeout_s, links)
         delay = max(held.trained.delay for held in self.held.values())
         self.control = StepControl(layout, self.messenger, device, delay)

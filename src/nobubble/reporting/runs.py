@@ -26,7 +26,8 @@ from nobubble.staleness import COSINE, DRIFT
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
-# staleness_every only measures (the same steps, with or without it: tests/test_staleness.py).
+# staleness_every only measures (the same steps, with or without it: tests/test_staleness.py);
+# emulate_nccl only changes how messages travel (bitwise the same run: tests/test_emulated_nccl.py).
 NON_RESULT_KEYS = (
     "out",
     "name",
@@ -35,6 +36,7 @@ NON_RESULT_KEYS = (
     "p2p_timeout_s",
     "p2p_routes",
     "staleness_every",
+    "emulate_nccl",
 )
 
 
