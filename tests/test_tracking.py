@@ -56,12 +56,19 @@ def tensorboard_scalars(run) -> dict[str, list[tuple[int, float]]]:
 
 
 def metrics_scalars(run) -> dict[str, list[tuple[int, float]]]:
-    """metrics.jsonl as TensorBoard stores it: every numeric key by step, as float32."""
+    """metrics.jsonl as TensorBoard stores it: every numeric key by step, as float32; a
+    per-model-stage staleness list as one scalar per stage that measured it."""
     scalars: dict[str, list[tuple[int, float]]] = {}
     for line in metrics(run):
         for key, value in line.items():
-            if key != "step" and isinstance(value, int | float):
-                scalars.setdefault(key, []).append((line["step"], float(np.float32(value))))
+            if key in ("weight_drift", "grad_cosine"):
+                named = {f"{key}/model_stage{s}": v for s, v in enumerate(value) if v is not None}
+            elif key != "step" and isinstance(value, int | float):
+                named = {key: value}
+            else:
+                continue
+            for name, number in named.items():
+                scalars.setdefault(name, []).append((line["step"], float(np.float32(number))))
     return scalars
 
 
