@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.config.fields import FREE, LAYOUT, NON_NEGATIVE, POSITIVE, setting
+from nobubble.config.fields import FREE, LAYOUT, NON_NEGATIVE, POSITIVE, Range, setting
 
 P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.links
 PARTITIONS = ("blocks", "flops")  # nobubble.model.partition
@@ -35,6 +35,15 @@ class ParallelSettings:
         "data-parallel replicas of the pipeline (torchrun: stages x dp processes); each reads "
         "1/dp of every microbatch",
         POSITIVE,
+        resume=LAYOUT,
+    )
+    zero: int = setting(
+        0,
+        "sharded data parallelism over a stage's dp replicas (docs/pipeline.md): 0 every replica "
+        "holds the whole optimizer and correction state; 1 each holds and updates its part of "
+        "it (the gradient all-reduced, the new weights all-gathered); 2 as 1 with a "
+        "reduce-scatter, each keeping only its part of the gradient",
+        Range(0, 2, high_open=False),
         resume=LAYOUT,
     )
     stage_layers: list[int] | None = setting(
