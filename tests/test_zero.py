@@ -19,9 +19,12 @@ whose part was not gathered in any step would still differ there: only the part'
 it).
 """
 
+import json
+
 import pytest
 
 from tests.pipeline_helpers import EXTENDED, final_weights, nobubble
+from tests.test_checkpoint_names import launch
 from tests.test_data_parallel import assert_close_runs, stage_reports
 
 pytestmark = pytest.mark.slow
@@ -100,3 +103,30 @@ def test_muon_owns_hidden_matrices_whole_and_records_who(tmp_path):
     assert all(owned)
     assert sum(len(names) for names in owned) == len(set().union(*owned))
     assert set().union(*owned) == hidden
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["optim=adamw", "correction=dc"],  # AdamW's moments, DC's last change (a slot per delay)
+        pytest.param(
+            ["optim=muon", "muon_ns_dtype=float32", "correction=ef+predict"], marks=EXTENDED
+        ),  # matrices owned whole, three versions a stage
+    ],
+    ids=["adamw+dc", "muon+ef+predict"],
+)
+def test_a_run_continues_across_dp_and_zero(tmp_path, extra):
+    """dp=2 zero=1 -> dp=4 zero=2 -> dp=1 zero=0 (two 2bw stages: the two versions every stage
+    holds, the optimizer's and the correction's state) equals the uninterrupted dp=2 zero=1 run
+    within the dp tolerance: a checkpoint holds the whole state whatever zero wrote it, and each
+    replica takes its part of it. A replica that took another's part, or state that lost its
+    correction, would be off in the third decimal."""
+    common = ["lr_schedule=constant", "eval_every=2", "schedule=2bw", "stages=2", "microbatches=2"]
+    common += extra
+    nobubble(tmp_path / "full", *common, "dp=2", "zero=1", "steps=6", stages=4)
+    nobubble(tmp_path / "cut", *common, "dp=2", "zero=1", "steps=2", stages=4)
+    launch("--resume", str(tmp_path / "cut"), "dp=4", "zero=2", "steps=4", stages=8)
+    launch("--resume", str(tmp_path / "cut"), "dp=1", "zero=0", "steps=6", stages=2)
+    assert_close_runs(tmp_path / "full", tmp_path / "cut")
+    saved = json.loads((tmp_path / "cut" / "config.json").read_text())
+    assert (saved["dp"], saved["zero"]) == (1, 0)
