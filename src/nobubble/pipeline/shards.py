@@ -26,10 +26,10 @@ start at times the completions decide, which differ between the stages of an int
 process), so on every replica a group's collectives come in one order: reduce, norm, gather of
 step t, then those of step t+1.
 
-The reduce-scatter is an all-to-all of the bucket's segments and a sum of the dp received
-segments in replica order: the bytes of a reduce-scatter, a summation order that is the same on
-every backend, and a handle whose completion can be asked for without waiting (gloo's own
-reduce-scatter never reports completion, torch 2.13).
+The reduce-scatter is NCCL's; on gloo, whose own reduce-scatter never reports completion to a
+poll (torch 2.13), it is an all-to-all of the bucket's segments and a sum of the dp received
+segments in replica order: the bytes of a reduce-scatter, with a second bucket held while it
+runs.
 
 The times are the CPU's: start to completion of every collective (reported by the backend on
 gloo), and the time the stage blocked on them. On CUDA the completion is noticed, not measured,
@@ -108,6 +108,8 @@ class ShardedUpdate:
         self.reduced = plan.bucket(reduced)
         self.gathered = plan.bucket(plan.shapes)  # every part, the tied copy's included
         self.reduced_names = reduced
+        # zero=2 on gloo: an all-to-all and a local sum (gloo's reduce-scatter cannot be polled)
+        self.exchanges = dist.get_backend(group) == "gloo"
         self.comm_s = self.wait_s = 0.0  # summed over steps
         self.bytes = 0  # bytes this rank put into the chains' collectives
         self.last_s = self.last_wait_s = 0.0  # the latest chain's (the run's last, at its end)
@@ -127,10 +129,15 @@ class ShardedUpdate:
         if self.zero == 1:
             pending.buffer = bucket
             works = [dist.all_reduce(bucket, group=self.group, async_op=True)]
-        else:
+        elif self.exchanges:  # gloo: every segment to its replica, summed there
             pending.sent, pending.buffer = bucket, torch.empty_like(bucket)
             works = [
                 dist.all_to_all_single(pending.buffer, bucket, group=self.group, async_op=True)
+            ]
+        else:
+            pending.sent, pending.buffer = bucket, bucket.new_empty(self.reduced.segment)
+            works = [
+                dist.reduce_scatter_tensor(pending.buffer, bucket, group=self.group, async_op=True)
             ]
         works.append(dist.all_reduce(sums, group=self.group, async_op=True))
         self._began(pending, works, bucket.numel() * bucket.element_size())
@@ -160,17 +167,19 @@ class ShardedUpdate:
         if pending.tied is not None:
             self.tied.finish(pending.tied, [self.trained.params[self.trained.tied]])
             pending.tied = None
+        others = math.nan  # zero=2: known once the squares are summed
         if self.zero == 1:
             full = pending.buffer.div_(dp)
             mine = full[self.plan.replica * size : (self.plan.replica + 1) * size]
             others = torch.linalg.vector_norm(full).item()
-        else:
+        elif self.exchanges:
             received = pending.buffer.view(dp, size)
             mine = received[0].clone()
-            for r in range(1, dp):  # in replica order, the same on every backend
+            for r in range(1, dp):  # in replica order
                 mine.add_(received[r])
             mine.div_(dp)
-            others = math.nan  # known once the squares are summed
+        else:
+            mine = pending.buffer.div_(dp)
         pending.buffer = pending.sent = None
         for name, grad in self.reduced.views(mine).items():
             self.trained.parts[name].grad = grad
