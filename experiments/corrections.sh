@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 13's experiment (experiments/corrections.toml): the sweep, a check of its main phase
-# against paper_cpu's, the reports (docs/results/corrections/<part>/) and the run records.
+# Issues 13 and 28's experiment (experiments/corrections.toml): the sweep, a check of its main
+# phase against paper_cpu's, the reports (docs/results/corrections/<part>/) and the run records.
 #
-#   experiments/corrections.sh                   # everything (308 runs; docs/experiments.md)
+#   experiments/corrections.sh                   # everything (542 runs; docs/experiments.md)
+#   experiments/corrections.sh --phase controls --phase momentum_comp   # round two, in parts
 #   experiments/corrections.sh --phase main      # extra arguments go to `nobubble sweep`
 #   JOBS=1 experiments/corrections.sh            # runs at a time (default 2)
 #
@@ -59,6 +60,23 @@ report longer "300 vs 1,200 steps: EF and the best correction" \
     "$RUNS/main" "$RUNS/corrections" "$RUNS/longer" "$RUNS/longer_best" --where optim=adamw,muon
 report pipeline_cost "Each correction on the 2-stage pipeline under torchrun (2bw, 4 microbatches)" \
     "$RUNS/pipeline_cost"
+# round two (issue 28)
+report controls "Each correction under sync (its control) beside its 2bw run" \
+    "$RUNS/main" "$RUNS/corrections" "$RUNS/ef_gamma" "$RUNS/ef_strong" "$RUNS/controls" \
+    --where optim=adamw,muon
+report momentum_comp "The momentum view: AdamW's beta1 and Muon's momentum lowered, alone and with EF" \
+    "$RUNS/main" "$RUNS/momentum_comp" --where optim=adamw,muon \
+    --vs beta1 momentum
+report gamma_all "EF's gamma per optimizer: AdamW 1.5-3, Muon 1.25-2" \
+    "$RUNS/main" "$RUNS/gamma_all" --where optim=adamw,muon --vs ef_gamma
+report longer_round2 "1,200 steps: EF at its best gamma, the best lowered momentum" \
+    "$RUNS/longer" "$RUNS/longer_best" "$RUNS/longer_gamma" "$RUNS/longer_momentum_adamw" \
+    "$RUNS/longer_momentum_muon"
+report staleness "Weight drift and gradient cosine of every correction under 2bw (seed 0)" \
+    "$RUNS/staleness"
+report others "The other five optimizers: controls, EF's gamma, their momentum lowered" \
+    "$RUNS/main" "$RUNS/corrections" "$RUNS/controls_others" "$RUNS/gamma_others" \
+    "$RUNS/momentum_others" --where optim=lion,adan,soap,mars,nadamw
 
 # Time and memory per step on the pipeline, from each run's summary.json.
 if [ -d "$RUNS/pipeline_cost" ]; then

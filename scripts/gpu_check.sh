@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check of issue 11: on a machine with CUDA GPUs, in under ten minutes, run the parity
-# tests that matter on NCCL and `nobubble bench --dp` on NCCL, sized to the GPUs there are, and
-# write everything into one folder (printed at the start and at the end).
+# The GPU check: on a machine with one CUDA GPU or more, in under ten minutes, train every pipeline
+# schedule on SmolLM2-360M's shape (a few steps, short sequences, bfloat16) and print one table:
+# each run's parity with a one-process run, tokens/s, MFU and peak memory (also as JSON); then, as
+# time allows, the parity tests and `nobubble bench` on NCCL. Everything goes into one folder
+# (printed at the start and at the end).
 #
 #   scripts/gpu_check.sh                  # results in gpu-check-YYYYmmdd-HHMMSS/
 #   GPU_CHECK_OUT=/tmp/check scripts/gpu_check.sh
@@ -18,25 +20,26 @@
 #                     what is left
 #   GPU_CHECK_GPUS    use at most this many GPUs (default: all visible)
 #
-# What runs, by the number of GPUs N (one process per GPU; NCCL refuses two ranks on one GPU):
+# The table's runs (python -m nobubble.gpu_check plan --gpus N prints them; docs/benchmarks.md,
+# "The GPU check"), by the number of GPUs N:
 #   N = 0  nothing: an error
-#   N = 1  no NCCL run is possible; a single-process run of the simulator on cuda and the same
-#          run on the CPU, final losses side by side; an MoE model in one process on cuda
-#   N >= 2 + pipeline parity P = 2 on NCCL (1f1b; 2bw with Muon and EF, M = 4), data-parallel
-#          parity with P = 1, dp = 2, MoE pipeline parity P = 2 (2bw, Muon, EF), and
-#          `nobubble bench` P = 2 (ours vs torch) and P = 1,
-#          dp = 2 (the all-reduce behind compute, M = 2P and M = P)
-#   N >= 4 + data-parallel parity P = 2, dp = 2 (sync and 2bw, AdamW, and 2bw with EF), bench
-#          P = 2, dp = 2 at M = 2P = 4 and M = P = 2, then, as time allows, parity P = 4
-# Parity tests run with NOBUBBLE_TEST_DEVICE=cuda (tests/pipeline_helpers.py adds device=cuda
-# to their settings) and CUBLAS_WORKSPACE_CONFIG=:4096:8 (deterministic cuBLAS): the pipeline
-# tests compare bitwise with the single-process run, which on a GPU also assumes deterministic
-# kernels; a mismatch there is worth rerunning one case twice on one GPU before blaming NCCL.
+#   N = 1  every schedule (gpipe, 1f1b, zb-h1, zb-h2, interleaved-1f1b, 2bw, pipedream) on two
+#          processes that share the GPU over gloo with CUDA tensors, under the NCCL emulator
+#          (dist_backend=gloo emulate_nccl=true): every CUDA path of the pipeline but NCCL itself;
+#          2bw again over plain gloo, and with compile and activation checkpointing
+#   N >= 2 every schedule on NCCL, a GPU per process; 2bw once more sharing one GPU under the
+#          emulator, and compiled
+#   N >= 4 + 1f1b on four stages, 2bw on two stages x two replicas
+#   N >= 8 + 2bw on four stages x two replicas
+# and the one-process references they are compared with (the 2bw one twice: whether the GPU
+# repeats a run bit for bit). Each run's checkpoints are deleted once it is compared.
+# Then, as time allows: an MoE model in one process on cuda; with N >= 2 the NCCL parity tests
+# (tests/, with NOBUBBLE_TEST_DEVICE=cuda: device=cuda in their settings) and the benchmark.
+# CUBLAS_WORKSPACE_CONFIG=:4096:8 makes cuBLAS deterministic; a row that is not bitwise is
+# judged against the GPU's own run-to-run noise (the repeated reference).
 #
-# On NCCL the pipeline runs take p2p_routes=auto's per-edge routes (docs/pipeline.md, Messages):
-# a hang at the first step of a parity test points at them.
-#
-# Exit status: 0 when every step that ran passed, 1 otherwise (each step's log is in the folder).
+# Exit status: 0 when every step that ran passed and every row of the table did, 1 otherwise
+# (each step's log is in the folder).
 # Status: written without a GPU machine; never executed yet (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -135,29 +138,47 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
 BENCH=("$PY" -m nobubble bench --device cuda --busy-retries 0 --repeats 1 --steps 30
     --warmup-steps 5 --preset small --seq-len 256 --batch-size 32)
 
-# -- one GPU: no NCCL run is possible ------------------------------------------------------------
-# the simulator in one process: 2bw, P = 2, M = 4 (add device=...)
-SINGLE=(schedule=2bw stages=2 microbatches=4 steps=20 batch_size=16 seq_len=128 eval_every=0
-    checkpoint_every=0)
-step single-process-cuda "$PY" -m nobubble train --no-progress --overwrite \
-    --out "$OUT/runs/single-cuda" device=cuda "${SINGLE[@]}"
-# an MoE model (docs/moe.md): routing, bias balancing and the statistics on cuda
+# -- the table: every schedule on SmolLM2-360M's shape (nobubble/gpu_check.py) -------------------
+# first_gpus N: the first N GPUs this script may use, as CUDA_VISIBLE_DEVICES takes them
+first_gpus() {
+    local all=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((VISIBLE - 1)))}
+    echo "$all" | cut -d, -f1-"$1"
+}
+"$PY" -m nobubble.gpu_check plan --gpus "$GPUS" --out "$OUT" >"$OUT/plan.txt" 2>>"$OUT/gpu_check.log" ||
+    die "python -m nobubble.gpu_check plan failed (see $OUT/gpu_check.log)"
+mapfile -t PLANNED <"$OUT/plan.txt"
+for line in "${PLANNED[@]}"; do
+    # name, processes (0: one process), GPUs, the run it is compared with (- for none), settings
+    read -r name processes gpus reference rest <<<"$line"
+    read -ra settings <<<"$rest"
+    launch=("$PY" -m nobubble train)
+    if ((processes > 0)); then
+        launch=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$processes"
+            -m nobubble train)
+    fi
+    step "$name" env CUDA_VISIBLE_DEVICES="$(first_gpus "$gpus")" "${launch[@]}" --no-progress \
+        --overwrite --out "$OUT/runs/$name" "${settings[@]}"
+    if [ "$reference" != - ]; then
+        "$PY" -m nobubble.gpu_check compare "$OUT" "$name" >>"$OUT/$name.log" 2>&1 ||
+            log "$name: the comparison failed (see $OUT/$name.log)"
+        rm -rf "$OUT/runs/$name/checkpoints" # seconds to write, gigabytes to keep
+    fi
+done
+rm -rf "$OUT"/runs/one-process-*/checkpoints
+"$PY" -m nobubble.gpu_check table "$OUT" >"$OUT/table.md" 2>>"$OUT/gpu_check.log" || FAILED=1
+{
+    echo -e "\n## Every schedule, SmolLM2-360M's shape (table.json)\n"
+    cat "$OUT/table.md"
+} >>"$SUMMARY"
+cat "$OUT/table.md" >&2
+
+# -- as time allows --------------------------------------------------------------------------------
+# an MoE model (docs/moe.md): routing, bias balancing and the statistics on cuda, in one
+# process, with Muon (its Newton-Schulz in bfloat16 on a GPU)
 step moe-single-process-cuda "$PY" -m nobubble train --no-progress --overwrite \
     --out "$OUT/runs/moe-single-cuda" device=cuda preset=cpu-moe moe_bias_rate=0.001 \
-    "${SINGLE[@]}"
-if ((GPUS == 1)); then
-    step single-process-cpu "$PY" -m nobubble train --no-progress --overwrite \
-        --out "$OUT/runs/single-cpu" device=cpu "${SINGLE[@]}"
-    for device in cuda cpu; do
-        metrics="$OUT/runs/single-$device/metrics.jsonl"
-        [ -f "$metrics" ] && echo "single-process $device: last train loss $(grep train_loss "$metrics" |
-            tail -n 1)" >>"$SUMMARY"
-    done
-    log "one GPU: NCCL needs two ranks on two GPUs, so no pipeline, data-parallel or bench run on"
-    log "NCCL was possible; checked: training on cuda in one process (the simulator)"
-    echo -e "\nOne GPU: no NCCL run possible (one rank per GPU); only the single-process runs." \
-        >>"$SUMMARY"
-fi
+    optim=muon schedule=2bw stages=2 microbatches=4 steps=20 batch_size=16 seq_len=128 \
+    eval_every=0
 
 # -- two GPUs and more ---------------------------------------------------------------------------
 if ((GPUS >= 2)); then

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nobubble.checkpoint.files import newest_weights
+from nobubble.staleness import DRIFT
 from tests.launcher import run_nobubble
 
 # A model and data small enough for 4 processes on 2 cores, big enough to have 4 blocks.
@@ -92,9 +93,25 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes | None]]:
     }
 
 
+def drifts(run: Path) -> list[tuple[int, list[float | None]]]:
+    """Each evaluation's weight drift per model stage (nobubble.staleness)."""
+    return [(r["step"], r[DRIFT]) for r in metrics(run) if DRIFT in r]
+
+
+def assert_same_drift(a: Path, b: Path) -> None:
+    """The same weight drift at every evaluation both runs measured over the same number of
+    model stages (a run resumed on another stage split measured its first part per stage of its
+    first split)."""
+    assert [step for step, _ in drifts(a)] == [step for step, _ in drifts(b)]
+    for (step, first), (_, second) in zip(drifts(a), drifts(b), strict=True):
+        if len(first) == len(second):
+            assert first == second, f"the weight drift of step {step}"
+
+
 def assert_same_run(a: Path, b: Path) -> None:
-    """Same loss trajectory and final weights, bit for bit."""
+    """Same loss trajectory, weight drift and final weights, bit for bit."""
     assert losses(a) == losses(b)
+    assert_same_drift(a, b)
     wa, wb = final_weights(a), final_weights(b)
     assert wa.keys() == wb.keys()
     for name in wa:

@@ -181,6 +181,8 @@ UNUSED = [
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, False,
      {"p2p_timeout_s", "p2p_routes"}),
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, True, set()),
+    ({"emulate_nccl": True, "dist_backend": "gloo"}, False, {"emulate_nccl", "dist_backend"}),
+    ({"emulate_nccl": True, "dist_backend": "gloo", "stages": 2}, True, set()),
     ({"embed_cost": 2.0, "head_cost": 0.5}, False, {"embed_cost", "head_cost"}),
     ({"embed_cost": 2.0, "head_cost": 0.5, "stages": 2}, False, set()),
     ({"embed_cost": 2.0, "stages": 2, "stage_layers": [3, 1]}, False, {"embed_cost"}),
@@ -196,6 +198,10 @@ UNUSED = [
     ({"bin_dtype": "uint32", "data": "shards"}, False, set()),  # a folder may hold .bin shards
     ({"bpe_vocab_size": 512}, False, {"bpe_vocab_size"}),
     ({"bpe_vocab_size": 512, "tokenizer": "bpe"}, False, set()),
+    ({"staleness_every": 5}, False, {"staleness_every"}),  # sync: no delay
+    ({"staleness_every": 5, "schedule": "2bw"}, False, set()),
+    ({"staleness_every": 5, "schedule": "2bw", "stages": 2, "microbatches": 2}, True,
+     {"staleness_every"}),  # the pipeline measures the drift only
     ({"wandb_project": "p", "wandb_mode": "offline"}, False, {"wandb_project", "wandb_mode"}),
     ({"wandb_project": "p", "logger": "tensorboard,wandb"}, False, set()),
     ({"lr": 1e-3, "steps": 5, "weight_decay": 0.0, "warmup_steps": 0}, False, set()),  # read by all

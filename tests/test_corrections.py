@@ -4,15 +4,21 @@ Every case is a few steps of f(w) = ½·(a1·w1² + a2·w2²) on one 2-parameter
 A 2-D hidden-matrix name (1×2) gets weight decay, so the decay is part of Δ where it applies.
 """
 
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
 
 from nobubble.checkpoint.named_state import decode, encode, load_named_state, named_state
-from nobubble.config import ConfigError, TrainConfig
+from nobubble.config import SECTIONS, ConfigError, TrainConfig
 from nobubble.configure import build_config
+from nobubble.corrections.dc import DelayCompensation
+from nobubble.corrections.ef import ErrorFeedback
+from nobubble.corrections.nesterov import NesterovCorrection
 from nobubble.corrections.registry import REGISTRY
+from nobubble.corrections.spec import GENERALISATION, PUBLISHED
 from nobubble.corrections.spike import SpikeCompensation
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
@@ -271,6 +277,14 @@ def test_adaptive_dc_matches_formula(delay):
     assert run(constant, 5, delay, name="embed.weight") != pytest.approx(w, rel=1e-6)
 
 
+@pytest.mark.parametrize("name", ["spike", "dc"])
+def test_spike_and_dc_do_nothing_without_a_delay(name):
+    """Their control under a synchronous schedule is the synchronous run itself (predict is
+    refused there): the study runs no such control (docs/corrections.md)."""
+    corrected = TrainConfig(**ADAMW, correction=name, dc_lambda=10.0)
+    assert run(corrected, 5, delay=0) == run(TrainConfig(**ADAMW), 5, delay=0)
+
+
 # -- state, refusals -----------------------------------------------------------------------------
 
 
@@ -320,11 +334,56 @@ def test_refusals_say_why(settings, message):
         build_config(settings)
 
 
-def test_every_update_correction_is_registered_with_its_facts():
-    for name in ("ef", "nesterov", "spike", "dc"):
-        correction = REGISTRY[name]
-        assert correction.wrap is not None
-        assert correction.rule and correction.memory and correction.needs and correction.source
+# each wrapper's class and the strengths it must take from the config (non-default values)
+WRAPPERS = {
+    "ef": (ErrorFeedback, {"ef_gamma": 1.7}, {"gamma": 1.7}),
+    "nesterov": (NesterovCorrection, {"nesterov_gamma": 0.6}, {"gamma": 0.6}),
+    "spike": (SpikeCompensation, {}, {}),
+    "dc": (DelayCompensation, {"dc_lambda": 0.3, "dc_mean_square_decay": 0.5}, {"lam": 0.3}),
+}
+# published as the paper states it, or our generalisation of the paper's idea (issue 28)
+METHODS = {
+    "ef": PUBLISHED,
+    "nesterov": GENERALISATION,  # the paper's method is NAdam at β1 = 0.99 (optim=nadamw)
+    "spike": PUBLISHED,  # for heavy-ball SGD; the AdamW form is ours
+    "dc": PUBLISHED,
+    "predict": GENERALISATION,  # extrapolates the applied change, not the momentum
+}
+
+
+def test_every_correction_is_registered_with_its_facts():
+    section = {f.name for f in dataclasses.fields(SECTIONS["correction"])}
+    assert set(REGISTRY) == set(METHODS)
+    read = set()
+    for name, correction in REGISTRY.items():
+        assert correction.name == name
+        assert set(correction.settings) <= section - {"correction", "ef"}, name
+        read |= set(correction.settings)
+        source = correction.source
+        assert source.method == METHODS[name], name
+        assert re.search(r"(19|20)\d\d", source.paper), f"{name}: the paper's year"
+        assert (source.method == GENERALISATION) <= bool(source.ours), name
+        assert (correction.wrap is None) == (correction.acts_on == "weights"), name
+    assert read == section - {"correction", "ef"}  # every strength belongs to a correction
+    assert "arXiv 2505.01099" in REGISTRY["nesterov"].source.paper
+    assert "AdamW" in REGISTRY["spike"].source.ours
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_each_wrapper_builds_its_class_with_the_configured_strength(name):
+    kind, settings, attributes = WRAPPERS[name]
+    cfg = TrainConfig(**ADAMW, correction=name, schedule="2bw", **settings)
+    assert set(settings) == set(REGISTRY[name].settings)
+    w = torch.nn.Parameter(torch.tensor([W0], dtype=torch.float64))
+    base = build_optimizer([(HIDDEN, w)], cfg)
+    wrapped = REGISTRY[name].wrap(base, cfg, 2)
+    assert type(wrapped) is kind and wrapped.kind == name and wrapped.base is base
+    for attribute, value in attributes.items():
+        assert getattr(wrapped, attribute) == value
+    if hasattr(wrapped, "delays"):  # the stage's delay reaches each of its parameters
+        assert wrapped.delays == {w: 2}
+    if name == "dc":
+        assert wrapped.decay == 0.5
 
 
 # -- with predict (the gradient at ŵ, the update corrected) -------------------------------------

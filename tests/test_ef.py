@@ -112,16 +112,21 @@ def test_composes_with_every_optimizer(optim: str) -> None:
 
 
 def test_state_dict_holds_one_buffer_per_parameter() -> None:
+    """Each parameter's buffer is its Δ[0], known from the weights alone: at γ = 1 and
+    Δ[-1] = 0 the first step is w[1] = w[0] - 2·Δ[0]."""
     named = _named_params()
     opt = build_stage_optimizer(named, TrainConfig(optim="sgd", lr=0.1, ef=True), delay=1)
     for _, p in named:
         p.grad = torch.ones_like(p)
+    ordered = [p for group in opt.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in ordered]
     opt.step()
     state = opt.state_dict()
-    ordered = [p for group in opt.param_groups for p in group["params"]]
     assert sorted(state["prev_delta"]) == list(range(len(named)))
     for i, p in enumerate(ordered):
-        torch.testing.assert_close(state["prev_delta"][i], opt.prev_delta[p])
+        delta = (before[i] - p.detach()) / 2
+        assert delta.abs().max() > 0  # the step moved every parameter
+        torch.testing.assert_close(state["prev_delta"][i], delta, rtol=1e-6, atol=0)
     fresh_named = _named_params()
     fresh = build_stage_optimizer(fresh_named, TrainConfig(optim="sgd", lr=0.1, ef=True), delay=1)
     fresh.load_state_dict(_clone(state))

@@ -1,6 +1,7 @@
 """Which process group carries each pipeline message (nobubble.pipeline.links): the mapping,
 without processes. The runs over these routes are in test_pipeline_parity.py and
-test_data_parallel.py (``p2p_routes=per-edge``)."""
+test_data_parallel.py (``p2p_routes=per-edge``), and under the NCCL emulator in
+test_emulated_nccl.py."""
 
 import pytest
 
@@ -8,20 +9,34 @@ from nobubble.config import ConfigError
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline import links as links_module
 from nobubble.pipeline.channels import Channel
+from nobubble.pipeline.emulated_nccl import EmulatedNccl
 from nobubble.pipeline.links import Links, resolve_links
+from nobubble.pipeline.transport import Transport, active, install
 
 
 @pytest.fixture
 def groups(monkeypatch):
-    """dist.new_group recorded: each call returns ("group", its ranks, its backend, its number)."""
+    """dist.new_group recorded: each call returns ("group", its ranks, its backend, its number);
+    the default backend is gloo unless a test says otherwise."""
     made = []
 
-    def new_group(ranks=None, backend=None):
+    def new_group(ranks=None, backend=None, group_desc=None):
         made.append(("group", tuple(ranks) if ranks else None, backend, len(made)))
         return made[-1]
 
     monkeypatch.setattr(links_module.dist, "new_group", new_group)
+    monkeypatch.setattr(links_module.dist, "get_backend", lambda: "gloo")
     return made
+
+
+@pytest.fixture
+def emulated():
+    """The NCCL emulator as this process's transport (no process group: nothing is posted)."""
+    emulator = EmulatedNccl(rank=0, world=4, store=None, timeout_s=60.0)
+    install(emulator)
+    yield emulator
+    install(Transport())
+    assert emulator.close()
 
 
 def test_auto_routes_follow_the_backend():
@@ -32,11 +47,18 @@ def test_auto_routes_follow_the_backend():
         resolve_links("shared", "nccl")
 
 
+def test_under_the_emulator_auto_routes_are_nccls_and_shared_ones_are_allowed():
+    """auto takes NCCL's routes; shared stays possible, to show the hang NCCL would have."""
+    assert resolve_links("auto", "gloo", emulated=True) == "per-edge"
+    assert resolve_links("shared", "gloo", emulated=True) == "shared"
+
+
 def test_shared_routes_use_the_default_group_for_everything(groups):
     routes = Links.build(ParallelLayout(pp=4), "shared")
     assert groups == []
     assert all(routes.group(c, 1, 0) is None for c in Channel)
-    assert not any(routes.on_cpu(c) for c in Channel)
+    assert all(routes.on_cpu(c) for c in Channel)  # gloo: from host memory (on a CPU: no copy)
+    assert routes.hang_hint() == ""  # gloo pairs by tag: no hang to explain
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
@@ -63,9 +85,27 @@ def test_per_edge_routes_give_every_edge_and_data_channel_its_own_two_rank_group
     # the wrap-around edge 1 -> 2 runs between the same two processes as 0 -> 1, the other way
     assert routes.group(Channel.ACTIVATION, 2, 0) != routes.group(Channel.ACTIVATION, 1, 0)
     control = [c for c in Channel if c not in links_module.DATA_CHANNELS]
-    if backend == "gloo":  # tags hold on the default group
-        assert all(routes.group(c, 0, 0) is None and not routes.on_cpu(c) for c in control)
+    if backend == "gloo":  # tags hold on the default group; gloo sends from host memory
+        assert all(routes.group(c, 0, 0) is None for c in control)
+        assert all(routes.on_cpu(c) for c in Channel)
     else:  # NCCL: control messages on one gloo group over every rank, as CPU tensors
         assert groups[-1] == ("group", None, "gloo", len(groups) - 1)
         assert all(routes.group(c, 0, 1) == groups[-1] and routes.on_cpu(c) for c in control)
         assert not any(routes.on_cpu(c) for c in links_module.DATA_CHANNELS)
+
+
+def test_under_the_emulator_control_messages_take_a_gloo_group_it_leaves_alone(groups, emulated):
+    """As on NCCL: data on two-rank groups (emulated), control on one gloo group (not)."""
+    routes = Links.build(ParallelLayout(pp=2), "per-edge")
+    assert groups[-1] == ("group", None, "gloo", len(groups) - 1)
+    assert routes.control == groups[-1] and emulated.plain == {groups[-1]}
+    assert all(routes.on_cpu(c) for c in Channel)
+    assert routes.hang_hint() == ""  # per-edge routes: no shared group to blame
+
+
+def test_under_the_emulator_shared_routes_point_at_per_edge_ones_when_a_wait_gives_up(
+    groups, emulated
+):
+    routes = Links.build(ParallelLayout(pp=2), "shared")
+    assert active() is emulated and routes.control is None
+    assert "use p2p_routes=per-edge" in routes.hang_hint()

@@ -18,15 +18,22 @@ from nobubble.reporting.plots import final_limits, plot_curves
 from nobubble.reporting.runs import EvalPoint, ReportError, discover
 from nobubble.reporting.table import settings_label
 from nobubble.reporting.target import target_rows, time_to_reach
+from nobubble.staleness import COSINE, DRIFT
 from tests.pipeline_helpers import SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def make_run(
-    root: Path, final: float, finished: bool = True, name_as: str | None = None, **settings
+    root: Path,
+    final: float,
+    finished: bool = True,
+    name_as: str | None = None,
+    drift: tuple[list, list] | None = None,
+    **settings,
 ) -> Path:
-    """A run folder as training writes it: the loss falls linearly to ``final`` over 100 s."""
+    """A run folder as training writes it: the loss falls linearly to ``final`` over 100 s;
+    ``drift``: the per-stage weight drift of its evaluations at steps 50 and 100."""
     cfg = TrainConfig(**{"steps": 100, **settings})
     folder = root / (name_as or "-".join(f"{k}={v}" for k, v in sorted(settings.items())))
     folder.mkdir(parents=True)
@@ -36,6 +43,8 @@ def make_run(
         {"step": s, "val_loss": loss, "val_bpb": loss * 1.5, "train_time_s": t}
         for s, loss, t in evals
     ]
+    for line, stages in zip(lines[1:], drift or (), strict=False):
+        line[DRIFT] = stages
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     if finished:
         summary = {"final_val_loss": final, "final_val_bpb": final * 1.5, "train_s": 100.0}
@@ -361,3 +370,48 @@ def test_runs_of_earlier_versions_group_with_new_ones_whatever_chunks_they_saved
     runs, _ = discover([root])
     (group,) = group_runs(runs)
     assert len(group.runs) == 2 and group.settings["chunks"] == 2
+
+
+def test_each_correction_against_its_control_without_a_delay(tmp_path, capsys):
+    """sync 2.0; sync+EF (the control) 2.05: EF costs 0.05 without a delay; 2bw 2.4 (the delay
+    costs 0.4); 2bw+EF 2.15: the delay costs 0.10 beside EF's control, 75% of 0.4 removed (the
+    gap closed column, 2.4 against 2.15, says 63%)."""
+    make_run(tmp_path, 2.0, schedule="sync")
+    make_run(tmp_path, 2.05, schedule="sync", correction="ef", ef_gamma=1.5)  # spelled apart
+    make_run(tmp_path, 2.4, schedule="2bw")
+    make_run(tmp_path, 2.15, schedule="2bw", ef=True, ef_gamma=1.5)
+    make_run(tmp_path, 2.3, schedule="2bw", ef=True)  # no control at γ = 1: no row
+    assert call(str(tmp_path), "--out", str(tmp_path / "out")) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    table = text.split("## Corrections against their controls without a delay")[1]
+    rows = [line for line in table.split("\n\n")[1].splitlines() if line.startswith("| adamw")]
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert cells[1:] == ["2bw+EF", "sync+EF", "+0.0500", "+0.1500", "+0.1000", "+0.4000", "75%"]
+    assert "| 63% |" in text.split("## Corrections")[0]  # the gap closed mixes the two
+
+
+def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
+    """Mean drift of a group: over each run's evaluations after the first, of the mean over the
+    stages with a delay (None: the last stage of pipedream)."""
+    make_run(tmp_path, 2.0, schedule="sync")
+    make_run(tmp_path, 2.4, schedule="2bw", drift=([0.02, 0.04], [0.01, 0.01]))  # 0.03, 0.01
+    make_run(tmp_path, 2.2, schedule="2bw", ef=True, drift=([0.01], [0.01]))
+    make_run(tmp_path, 2.6, schedule="pipedream", stages=3, drift=([0.05, 0.03, None], [0.04]))
+    folder = make_run(tmp_path, 2.3, schedule="2bw", correction="predict", drift=([0.02], [0.02]))
+    with (folder / "metrics.jsonl").open("a") as metrics:  # a cosine line, as staleness_every
+        metrics.write(json.dumps({"step": 60, "train_loss": 2.5, COSINE: [0.8, 0.6]}) + "\n")
+    assert call(str(tmp_path), "--out", str(tmp_path / "out")) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    staleness = text.split("## Staleness")[1]
+    rows = {
+        line.split("|")[2].strip(): [c.strip() for c in line.split("|")[1:-1]]
+        for line in staleness.splitlines()
+        if line.startswith("| adamw")
+    }
+    assert "sync" not in rows  # nothing drifts without a delay
+    assert rows["2bw"][4:8] == ["0.0200", "0.0100", "—", "+0.4000"]
+    assert rows["pipedream"][4:6] == ["0.0400", "0.0400"]
+    assert rows["2bw+predict"][6] == "0.7000"
+    # drift 0.01, 0.02, 0.02, 0.04 against gaps 0.2, 0.3, 0.4, 0.6: ranks 1, 2.5, 2.5, 4
+    assert "over the 4 groups with both: +0.95." in staleness

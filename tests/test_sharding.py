@@ -9,8 +9,12 @@ same as any other. The registry's list of what needs a whole tensor
 lets split updates its rows exactly, and a kind it keeps whole would not.
 """
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from nobubble.checkpoint.named_state import load_named_state, named_state
 from nobubble.configure import build_config
@@ -18,6 +22,8 @@ from nobubble.model.layers import build_model
 from nobubble.model.resolve import model_config
 from nobubble.optim.param_groups import classify
 from nobubble.optim.registry import OPTIMIZERS, updates_whole
+from nobubble.pipeline.shards import ShardedUpdate
+from nobubble.pipeline.transport import Transport, install
 from nobubble.sharding import ShardPlan
 from nobubble.update import build_stage_optimizer
 
@@ -164,3 +170,57 @@ def test_a_bucket_packs_each_replicas_parts_in_equal_segments():
     bucket.unpack(full, target)  # replica 1 takes replica 0's parts
     assert target["w"][:3].equal(w[:3]) and target["w"][3:].eq(0).all()
     assert target["g"].tolist() == [10, 11, 0]
+
+
+class _Recording(Transport):
+    """torch.distributed as it is, noting what is posted through the transport."""
+
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+
+    def collective(self, group, launch, label, device):
+        self.labels.append(label)
+        return launch()
+
+
+@pytest.mark.parametrize(
+    ("zero", "posted"),
+    [
+        (
+            1,
+            ["the gradient's reduction", "the step's figures", "the all-gather of the new weights"],
+        ),
+        (
+            2,
+            [
+                "the gradient's reduction",
+                "the step's figures",
+                "the gradient's sum of squares",
+                "the all-gather of the new weights",
+            ],
+        ),
+    ],
+)
+def test_every_collective_of_the_chain_goes_through_the_transport(zero, posted):
+    """Under emulate_nccl a chain's collectives must queue with its group's other operations
+    (the evaluation totals, a tied weight's sum), so each is posted through the process's
+    transport, as the replicas' all-reduce is (one process, a group of one)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    recording = _Recording()
+    install(recording)
+    try:
+        weight = torch.nn.Parameter(torch.ones(4, 2))
+        weight.grad = torch.full((4, 2), 2.0)
+        trained = SimpleNamespace(
+            params={"w": weight}, parts={"w": torch.nn.Parameter(torch.ones(4, 2))}, tied=None
+        )
+        plan = ShardPlan({"w": (4, 2)}, dp=1, replica=0, whole=())
+        chain = ShardedUpdate(dist.group.WORLD, plan, trained, ["w"], None, zero, 60.0, "stage 0")
+        applied = []
+        pending = chain.start(0, torch.zeros(2), None)
+        assert chain.progress(pending, lambda sums, norms: applied.append(norms), block=True)
+        assert recording.labels == [f"stage 0: {what} (step 1)" for what in posted]
+        assert applied == [(pytest.approx(math.sqrt(32.0)), None)]  # the gradient's norm
+    finally:
+        install(Transport())
+        dist.destroy_process_group()

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nobubble.config import FIELDS, HINTS, ConfigError, TrainConfig, load_toml, parse_overrides
-from nobubble.configure import REGISTRY_NAMES, build_config
+from nobubble.configure import REGISTRY_NAMES, asks_for_auto, build_config
+from nobubble.corrections.auto import choose
 from nobubble.model.resolve import model_config
 from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
 
@@ -117,6 +118,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     layers, torchrun = config_layers(args), launched_by_torchrun()
     cfg = resumed_config(Path(args.resume), *layers) if args.resume else build_config(*layers)
     if os.environ.get("RANK", "0") == "0":  # one warning, not one per pipeline stage
+        if asks_for_auto(layers):
+            print(f"nobubble: {choose(cfg).why}", flush=True)
         # a resumed run's saved settings are no layer: only what is given now is named
         warn_unused_settings(cfg, chosen_keys(layers), torchrun)
     try:
@@ -133,6 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from nobubble import bench
+    from nobubble.corrections import cli as corrections_cli
     from nobubble.downstream import cli as eval_cli
     from nobubble.hf import cli as export_cli
     from nobubble.planning import cli as plan_cli
@@ -177,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("export", export_cli, "a run's checkpoint as a Hugging Face Llama model folder"),
         ("eval", eval_cli, "benchmark scores of a run's checkpoint (lm-evaluation-harness)"),
         ("plan", plan_cli, "predicted step time and memory of every schedule on a cluster"),
+        (
+            "corrections",
+            corrections_cli,
+            "each delay correction's response to a unit update, mean delay and stable step",
+        ),
     )
     for name, module, help_text in tools:
         sub = commands.add_parser(name, help=help_text)

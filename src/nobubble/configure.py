@@ -3,16 +3,19 @@ a configuration a run can use.
 
 The schema (:mod:`nobubble.config`) checks what it can alone; here, above the registries, each
 name is checked against its registry (presets, optimizers, schedules, corrections), ``chunks``
-is resolved to the schedule's default, and the schedule, the corrections and the model's split
-are checked for the shape asked for.
+is resolved to the schedule's default and ``correction=auto`` to the correction it chooses
+(:mod:`nobubble.corrections.auto`: config.json holds the real settings), and the schedule, the
+corrections and the model's split are checked for the shape asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from nobubble.config import FIELDS, ConfigError, TrainConfig, check_choice, merge_layers
+from nobubble.corrections import auto
 from nobubble.corrections.registry import CORRECTION_NAMES
 from nobubble.corrections.registry import check as check_corrections
 from nobubble.layout import ParallelLayout
@@ -27,7 +30,7 @@ REGISTRY_NAMES: dict[str, tuple[str, ...]] = {
     "preset": tuple(PRESETS),
     "optim": OPTIMIZERS,
     "schedule": SCHEDULE_NAMES,
-    "correction": CORRECTION_NAMES,
+    "correction": (*CORRECTION_NAMES, auto.AUTO),
 }
 
 
@@ -37,9 +40,16 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
     return resolve_config(merge_layers(*layers))
 
 
+def asks_for_auto(layers: Sequence[dict[str, Any]]) -> bool:
+    """Whether the last of ``layers`` to set ``correction`` asks for ``auto`` (the choice is then
+    worth printing: :func:`nobubble.corrections.auto.choose`)."""
+    given = [layer["correction"] for layer in layers if "correction" in layer]
+    return bool(given) and str(given[-1]).strip() == auto.AUTO
+
+
 def resolve_config(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` checked against the registries, with ``chunks`` resolved to the schedule's
-    default where it is not given."""
+    default where it is not given and ``correction=auto`` to its choice."""
     for key, field in FIELDS.items():
         registry = field.metadata["registry"]
         if registry is not None and registry != "correction":  # a combination: checked below
@@ -50,6 +60,7 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
     problem = spec.chunk_problem(cfg.chunks)
     if problem:
         raise ConfigError(f"chunks={cfg.chunks}: {problem}")
+    cfg = auto.resolve(cfg)
     check_corrections(cfg)
     _check_schedule(cfg)
     _check_model(cfg)

@@ -22,6 +22,9 @@ class StepStats:
     lr: float
     skipped_stages: list[int] = field(default_factory=list)
     routing: Routing = field(default_factory=dict)  # MoE blocks' routing sums (nobubble.model.moe)
+    # per model stage, where measured (staleness_every): the delayed gradient's cosine with the
+    # fresh one (nobubble.staleness); None for a stage without a delay
+    grad_cosine: list[float | None] | None = None
 
 
 class StepHooks(Protocol):
@@ -55,6 +58,11 @@ class Engine(Protocol):
 
     def evaluate(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor) -> EvalSums:
         """Validation totals at the newest weights (meaningful on the leader)."""
+
+    def weight_drift(self) -> list[float | None] | None:
+        """Each model stage's relative weight drift ‖w[t] - w[t-d]‖ / ‖w[t]‖ (None for a stage
+        without a delay), on the leader (a collective call); None where no stage has a delay,
+        and on the other ranks (:mod:`nobubble.staleness`)."""
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every weight version this process holds, as ``v{version}/{parameter name}``."""

@@ -42,10 +42,12 @@ from nobubble.model.presets import ModelConfig
 from nobubble.profiling import OFF, label, labelled
 from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import apply_stage_options, autocast
+from nobubble.staleness import cosine, weight_drift
 from nobubble.update import TrainedStage, combined_norm
 from nobubble.versions import Weights, gradient_version
 
 MicroLoss = Callable[[Weights, torch.Tensor], torch.Tensor]
+Gradients = tuple[torch.Tensor | None, ...]  # a stage's, in the order of its weights
 
 
 class DelayedTrainer:
@@ -99,6 +101,7 @@ class DelayedTrainer:
 
     def train_step(self, microbatches: Sequence[torch.Tensor]) -> StepStats:
         t = self.step
+        fresh = self._fresh_gradients(microbatches) if self._measures_cosine(t) else None
         weights: Weights = {}
         for stage in self.stages:
             weights.update(self._uses(stage.index, stage.at(t)))
@@ -111,10 +114,49 @@ class DelayedTrainer:
             with label(f"B mb{number}", versions):
                 (loss / len(microbatches)).backward()
             total += loss.item()
+        cosines = None if fresh is None else self._cosines(t, fresh)
         with label(f"STEP v{t + 1}"):
-            return self._update(t, total / len(microbatches))
+            return self._update(t, total / len(microbatches), cosines)
 
-    def _update(self, t: int, loss: float) -> StepStats:
+    def _measures_cosine(self, t: int) -> bool:
+        every = self.cfg.staleness_every
+        return bool(every) and (t + 1) % every == 0 and any(self.delays)
+
+    def _fresh_gradients(self, microbatches: Sequence[torch.Tensor]) -> list[Gradients]:
+        """Each stage's gradient of the step's loss with every stage at its newest weights (what a
+        synchronous step would compute), without touching any ``.grad``; run before the step's
+        own forwards so that its MoE routing sums are dropped, not counted."""
+        newest = [self._uses(s.index, s.store[s.store.newest]) for s in self.stages]
+        leaves = [[t for t in part.values() if t.requires_grad] for part in newest]
+        weights = {key: tensor for part in newest for key, tensor in part.items()}
+        with label("staleness"):
+            loss = sum(self.micro_loss(weights, micro) for micro in microbatches)
+            flat = torch.autograd.grad(
+                loss / len(microbatches), [t for part in leaves for t in part], allow_unused=True
+            )
+        self.routing()
+        grads, start = [], 0
+        for part in leaves:
+            grads.append(flat[start : start + len(part)])
+            start += len(part)
+        return grads
+
+    def _cosines(self, t: int, fresh: list[Gradients]) -> list[float | None]:
+        """Per stage: the cosine between its gradient at the weights step ``t`` ran at and the
+        fresh one (None for a stage without a delay)."""
+        out = []
+        for stage, grads in zip(self.stages, fresh, strict=True):
+            ran = [w.grad for w in stage.at(t).values() if w.requires_grad]
+            out.append(cosine(ran, grads) if stage.delay else None)
+        return out
+
+    def weight_drift(self) -> list[float | None]:
+        """Each stage's :func:`~nobubble.staleness.weight_drift` now."""
+        return [weight_drift(stage.store, stage.delay) for stage in self.stages]
+
+    def _update(
+        self, t: int, loss: float, grad_cosine: list[float | None] | None = None
+    ) -> StepStats:
         """Step ``t``'s update, once its gradients are complete: every stage in the one order."""
         routing = self.routing()
         for stage in self.stages:
@@ -128,7 +170,7 @@ class DelayedTrainer:
             if not ok:
                 skipped.append(stage.index)
         self.step += 1
-        return StepStats(t, loss, combined_norm(norms), lr, skipped, routing)
+        return StepStats(t, loss, combined_norm(norms), lr, skipped, routing, grad_cosine)
 
     def _uses(self, stage: int, weights: Weights) -> Weights:
         """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""
@@ -247,6 +289,11 @@ class OneProcessEngine:
                     logits = self.model(micro[:, :-1])
                 sums.add(logits, micro[:, 1:], token_bytes)
         return sums
+
+    def weight_drift(self) -> list[float | None] | None:
+        """Each model stage's weight drift (:mod:`nobubble.staleness`); None where no stage has
+        a gradient delay."""
+        return self.trainer.weight_drift() if any(self.trainer.delays) else None
 
     def named_weights(self) -> Weights:
         """The newest weights (what a plain training loop would hold after ``step`` updates)."""

@@ -3,8 +3,9 @@
 Every scalar of a metrics line goes to each chosen logger at that line's step, under the same
 name (``train_loss``, ``val_bpb``, ``mfu``, ...); a pipeline run adds per-process scalars where
 they are measured (``stage{p}/idle_fraction``, ...: ``p`` is the process's pipeline rank, its
-report's ``pp_rank``, under the name these scalars have always had). Only the leader opens a
-logger.
+report's ``pp_rank``, under the name these scalars have always had). A metrics line's
+per-model-stage lists of staleness (``weight_drift``, ``grad_cosine``) go as one scalar per
+model stage s, ``weight_drift/model_stage{s}``. Only the leader opens a logger.
 
 A resumed run continues the same logger runs: TensorBoard writes into the run folder's ``tb/``
 and drops the events after the checkpoint (``purge_step``), as metrics.jsonl drops its lines;
@@ -27,6 +28,7 @@ from nobubble.config import ConfigError, TrainConfig, chosen_loggers
 from nobubble.files import write_json_atomic
 from nobubble.interrupt import Interrupted
 from nobubble.stage_report import IDENTIFIERS, read_stage_report
+from nobubble.staleness import PER_STAGE
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module = extra
 TB_FOLDER = "tb"
@@ -103,12 +105,18 @@ def open_loggers(cfg: TrainConfig, run_dir: Path, start: int) -> Loggers:
 
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:
     """The numeric entries of a metrics line, but its step (lists such as skipped_stages are
-    not scalars)."""
-    return {
+    not scalars), and each model stage's staleness measure as ``weight_drift/model_stage{s}``
+    and ``grad_cosine/model_stage{s}`` (:mod:`nobubble.staleness`)."""
+    scalars = {
         key: value
         for key, value in record.items()
         if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
     }
+    for key in PER_STAGE:
+        for stage, value in enumerate(record.get(key) or []):
+            if value is not None:
+                scalars[f"{key}/model_stage{stage}"] = value
+    return scalars
 
 
 def stage_scalars(reports: list[dict[str, Any]]) -> dict[str, float]:

@@ -111,6 +111,22 @@ _WANDB = ReadWhen(
 )
 
 
+def _delayed(cfg: TrainConfig) -> bool:
+    return any(schedule_spec(cfg.schedule).delays(ParallelLayout.of(cfg).model_stages))
+
+
+_STALENESS = ReadWhen(
+    "the one-process engine trains with a gradient delay (2bw; pipedream on 2 or more stages): "
+    "the pipeline measures the weight drift only",
+    lambda cfg, facts: not facts.torchrun and _delayed(cfg),
+    lambda cfg, facts: (
+        "the pipeline under torchrun"
+        if facts.torchrun
+        else f"schedule={cfg.schedule} with stages={cfg.stages}: no stage has a gradient delay"
+    ),
+)
+
+
 def _split_by_rule(cfg: TrainConfig) -> bool:
     return cfg.stage_layers is None and ParallelLayout.of(cfg).model_stages > 1
 
@@ -147,6 +163,8 @@ READ_WHEN: dict[str, ReadWhen] = {
     ),
     "p2p_timeout_s": _TORCHRUN,
     "p2p_routes": _TORCHRUN,
+    "dist_backend": _TORCHRUN,
+    "emulate_nccl": _TORCHRUN,
     "partition": ReadWhen(
         "the blocks are split over several model stages by a rule (stage_layers not given)",
         lambda cfg, _: _split_by_rule(cfg),
@@ -166,6 +184,7 @@ READ_WHEN: dict[str, ReadWhen] = {
         lambda cfg, _: cfg.out is None,
         lambda cfg, _: f"out={cfg.out}",
     ),
+    "staleness_every": _STALENESS,
     "wandb_project": _WANDB,
     "wandb_mode": _WANDB,
 }

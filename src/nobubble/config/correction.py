@@ -11,7 +11,8 @@ from nobubble.config.fields import DECAY, NON_NEGATIVE, ConfigError, setting
 class CorrectionSettings:
     correction: str = setting(
         "none",
-        "delay correction: none, one name, or a combination with + (e.g. ef+predict); see "
+        "delay correction: none, one name, a combination with + (e.g. ef+predict), or auto (the "
+        "best measured for the optimizer and schedule, resolved into config.json); see "
         "docs/corrections.md",
         registry="correction",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.config.fields import FREE, POSITIVE, ConfigError, setting
+from nobubble.config.fields import FREE, NON_NEGATIVE, POSITIVE, ConfigError, setting
 
 LOGGERS = ("tensorboard", "wandb")
 WANDB_MODES = ("online", "offline")
@@ -13,6 +13,14 @@ WANDB_MODES = ("online", "offline")
 @dataclass
 class LoggingSettings:
     log_every: int = setting(1, "write a metrics line every N steps", POSITIVE, resume=FREE)
+    staleness_every: int = setting(
+        0,
+        "every N steps, the cosine between each delayed stage's gradient and the fresh one (at "
+        "the newest weights, same batch; one more forward and backward) in metrics.jsonl; 0 = "
+        "never (docs/corrections.md)",
+        NON_NEGATIVE,
+        resume=FREE,
+    )
     progress: bool = setting(True, "show a progress bar", resume=FREE)
     logger: str = setting(
         "none",

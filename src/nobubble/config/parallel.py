@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from nobubble.config.fields import FREE, LAYOUT, NON_NEGATIVE, POSITIVE, Range, setting
 
 P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.links
+DIST_BACKENDS = ("auto", "gloo", "nccl")  # nobubble.pipeline.process_group
 PARTITIONS = ("blocks", "flops")  # nobubble.model.partition
 
 
@@ -61,9 +62,25 @@ class ParallelSettings:
     p2p_routes: str = setting(
         "auto",
         "pipeline: process groups of the messages: shared (one group; gloo only: it pairs by "
-        "tag) | per-edge (one per stage edge and channel, control on gloo: what NCCL needs) | "
-        "auto (shared on gloo, per-edge otherwise)",
+        "tag; under emulate_nccl it hangs as NCCL would) | per-edge (one per stage edge and "
+        "channel, control on gloo: what NCCL needs) | auto (shared on gloo, per-edge on NCCL "
+        "and under emulate_nccl)",
         choices=P2P_ROUTES,
+        resume=FREE,
+    )
+    dist_backend: str = setting(
+        "auto",
+        "pipeline: the torch.distributed backend: auto (nccl on CUDA, gloo on the CPU) | gloo "
+        "(also with CUDA tensors, through host memory: several processes may share one GPU) | "
+        "nccl (one GPU per process)",
+        choices=DIST_BACKENDS,
+        resume=FREE,
+    )
+    emulate_nccl: bool = setting(
+        False,
+        "pipeline, gloo only: run the messages and all-reduces as NCCL would (tags ignored, "
+        "one operation at a time per process group, in posting order), so a schedule that "
+        "would hang on NCCL hangs here too and says where; the same results as without",
         resume=FREE,
     )
     partition: str = setting(

@@ -27,7 +27,8 @@ import torch
 
 from nobubble.config import TrainConfig, correction_names
 from nobubble.corrections.base import UpdateCorrection
-from nobubble.corrections.spec import Correction
+from nobubble.corrections.response import Response
+from nobubble.corrections.spec import PUBLISHED, Correction, Source
 from nobubble.optim.composite import OptimizerLike, evaluate_closure
 
 EPS = 1e-7  # under the square root of the adaptive variant, as in the reference implementation
@@ -86,6 +87,17 @@ class DelayCompensation(UpdateCorrection):
         return f"DelayCompensation({self.base!r}, lam={self.lam}, decay={self.decay})"
 
 
+def response(delay: int, share: float = 0.0) -> Response:
+    """On a quadratic of curvature h the exact compensation is g + h·(w[t] - w[t-D]); dc's
+    λ·g⊙g stands for h, and ``share`` = λ·g²/h says how much of it (1: exact). The gradient
+    is then (1 - share) of the stale one and ``share`` of the fresh one: relative to the delay,
+    (1 - share) + share·q^-D, mean delay -share·D. At our gradient scales λ·g² is far below h
+    (docs/corrections.md): share ≈ 0, nothing changes."""
+    if delay == 0 or share == 0:
+        return Response((1.0,))
+    return Response((share,) + (0.0,) * (delay - 1) + (1.0 - share,), shift=-delay)
+
+
 def _refuses(cfg: TrainConfig) -> str | None:
     if "predict" in correction_names(cfg):
         return (
@@ -110,7 +122,12 @@ CORRECTION = Correction(
     "mean square, + a transient snapshot during the step",
     needs="nothing but step() (any optimizer)",
     schedules="2bw, pipedream; nothing to do at delay 0",
-    source="published: Zheng et al., ICML 2017, arXiv 1609.08326 (DC-ASGD-c and -a)",
+    source=Source(
+        PUBLISHED,
+        "Zheng et al., Asynchronous Stochastic Gradient Descent with Delay Compensation, "
+        "ICML 2017, arXiv 1609.08326 (DC-ASGD-c and -a)",
+    ),
+    response=lambda _cfg, delay: response(delay),
     settings=("dc_lambda", "dc_mean_square_decay"),
     refuses=_refuses,
     wrap=_wrap,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from nobubble.corrections.base import UpdateCorrection
-from nobubble.corrections.spec import Correction
+from nobubble.corrections.response import fir
+from nobubble.corrections.spec import PUBLISHED, Correction, Source
 from nobubble.optim.composite import OptimizerLike
 
 
@@ -53,7 +54,14 @@ CORRECTION = Correction(
     memory="1 buffer (Δ[t-1]) + a transient snapshot during the step",
     needs="nothing but step() (any optimizer)",
     schedules="2bw (delay 1); runs under any",
-    source="published: Zmushko et al. 2026 (the error-feedback-style correction), γ = 1",
+    source=Source(
+        PUBLISHED,
+        "Zmushko et al. 2026, One-Step Gradient Delay is Not a Barrier for Large-Scale "
+        "Asynchronous Pipeline Parallel LLM Pretraining (the error-feedback correction, γ = 1)",
+        ours="γ settable (ef_gamma); the paper's correction is γ = 1",
+    ),
+    # a unit update is applied as 1 + γ now and -γ at the next step: mean delay -γ
+    response=lambda cfg, _delay: fir(1.0 + cfg.ef_gamma, -cfg.ef_gamma),
     settings=("ef_gamma",),
     wrap=lambda opt, cfg, _delay: ErrorFeedback(opt, cfg.ef_gamma),
 )

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from nobubble.corrections.base import UpdateCorrection
-from nobubble.corrections.spec import Correction
+from nobubble.corrections.response import Response
+from nobubble.corrections.spec import GENERALISATION, Correction, Source
 from nobubble.optim.composite import OptimizerLike
 
 
@@ -43,6 +44,12 @@ class NesterovCorrection(UpdateCorrection):
         return f"NesterovCorrection({self.base!r}, gamma={self.gamma})"
 
 
+def response(gamma: float) -> Response:
+    """(1-γ)·(1 + γ - γ·q)/(1 - γ·q): h = [1-γ², (1-γ)·γ², (1-γ)·γ³, ...], mean delay γ²/(1-γ)
+    (8.1 steps at γ = 0.9): a second, slower momentum over the base optimizer's."""
+    return Response(((1 - gamma) * (1 + gamma), -(1 - gamma) * gamma), (1.0, -gamma))
+
+
 CORRECTION = Correction(
     name="nesterov",
     acts_on="update",
@@ -50,11 +57,17 @@ CORRECTION = Correction(
     memory="1 buffer (u[t-1]) + a transient snapshot during the step",
     needs="nothing but step() (any optimizer)",
     schedules="2bw, pipedream; runs under any",
-    source=(
-        "our generalisation of Ajanthan et al., ICML 2025, arXiv 2505.01099: their method is "
-        "NAdam with β1 = 0.99 at the optimizer level (optim=nadamw); this wraps any optimizer's "
-        "update in a second, discounted momentum"
+    source=Source(
+        GENERALISATION,
+        "Ajanthan et al., Nesterov Method for Asynchronous Pipeline Parallel Optimization, "
+        "ICML 2025, arXiv 2505.01099",
+        ours=(
+            "their method is NAdam with β1 = 0.99 at the optimizer level (their code; here "
+            "optim=nadamw beta1=0.99 nadam_momentum_decay=0.004); this wraps any optimizer's "
+            "update in a second, discounted momentum"
+        ),
     ),
+    response=lambda cfg, _delay: response(cfg.nesterov_gamma),
     settings=("nesterov_gamma",),
     wrap=lambda opt, cfg, _delay: NesterovCorrection(opt, cfg.nesterov_gamma),
 )

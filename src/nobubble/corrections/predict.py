@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.corrections.spec import Correction
+from nobubble.corrections.response import Response, fir
+from nobubble.corrections.spec import GENERALISATION, Correction, Source
 from nobubble.layout import ParallelLayout
 from nobubble.schedules.registry import schedule_spec
 from nobubble.versions import VersionStore, Weights, gradient_version
@@ -97,6 +98,14 @@ def _refuses(cfg: TrainConfig) -> str | None:
     return None
 
 
+def response(delay: int) -> Response:
+    """On a quadratic the gradient is affine in the weights, so the gradient at
+    ŵ = w[c] + D·(w[c] - w[c-1]) is (1 + D)·g(w[c]) - D·g(w[c-1]): relative to the delay the
+    finite filter [1 + D, -D], mean delay -D, which cancels the delay D in the mean (under 2bw
+    the response of EF at γ = 1)."""
+    return fir(1 + delay, -delay) if delay else fir(1.0)
+
+
 CORRECTION = Correction(
     name="predict",
     acts_on="weights",
@@ -110,10 +119,15 @@ CORRECTION = Correction(
     ),
     needs="nothing (any optimizer)",
     schedules="2bw (D = 1), pipedream (D = P-1-s); refused where every delay is 0",
-    source=(
-        "our variant of weight prediction as in SpecTrain (Chen et al. 2018, arXiv 1809.02839) "
-        "and Kosson et al. (arXiv 2003.11666), which extrapolate the momentum; here the "
-        "applied change"
+    source=Source(
+        GENERALISATION,
+        "weight prediction as in SpecTrain (Chen et al. 2018, arXiv 1809.02839) and Kosson et "
+        "al. 2021 (arXiv 2003.11666)",
+        ours=(
+            "they extrapolate along the optimizer's momentum; this extrapolates the last "
+            "applied change, whatever the optimizer"
+        ),
     ),
+    response=lambda _cfg, delay: response(delay),
     refuses=_refuses,
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from nobubble.config import ConfigError, TrainConfig, correction_names
 from nobubble.corrections import dc, ef, nesterov, predict, spike
+from nobubble.corrections.response import Response, delay, momentum
 from nobubble.corrections.spec import Correction
 from nobubble.optim.composite import OptimizerLike
 
@@ -50,6 +51,16 @@ def check(cfg: TrainConfig) -> None:
 def predicts(cfg: TrainConfig) -> bool:
     """Whether the stages' steps run at the weight prediction ŵ (``correction=...+predict``)."""
     return "predict" in chosen(cfg)
+
+
+def step_response(cfg: TrainConfig, gradient_delay: int) -> Response:
+    """The whole delayed step of a stage with ``gradient_delay`` as one linear response: the
+    delay, the optimizer's momentum (:func:`~nobubble.corrections.response.momentum`) and the
+    corrections ``cfg`` chooses (docs/corrections.md, "Impulse responses")."""
+    whole = delay(gradient_delay).then(momentum(cfg).response)
+    for name in chosen(cfg):
+        whole = whole.then(REGISTRY[name].response(cfg, gradient_delay))
+    return whole
 
 
 def wrap_optimizer(optimizer: OptimizerLike, cfg: TrainConfig, delay: int) -> OptimizerLike:

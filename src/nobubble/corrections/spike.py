@@ -20,7 +20,8 @@ import torch
 
 from nobubble.config import TrainConfig
 from nobubble.corrections.base import UpdateCorrection
-from nobubble.corrections.spec import Correction
+from nobubble.corrections.response import Response, fir
+from nobubble.corrections.spec import PUBLISHED, Correction, Source
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 
 SUPPORTED = ("sgd", "adamw")
@@ -91,6 +92,18 @@ def _wrap(optimizer: OptimizerLike, cfg: TrainConfig, delay: int) -> SpikeCompen
     return SpikeCompensation(optimizer, dict.fromkeys(params, delay))
 
 
+def response(cfg: TrainConfig, delay: int) -> Response:
+    """Relative to the optimizer's own momentum m (sgd: momentum; adamw: β1), the compensated
+    step is the finite filter [(1 - m^(D+1))/(1 - m), -m·(1 - m^D)/(1 - m)]: an error feedback of
+    γ = m·(1 - m^D)/(1 - m) (γ = m under 2bw), which applies the D missed terms of the
+    momentum's response at once (D = 0: none)."""
+    m = cfg.beta1 if cfg.optim == "adamw" else cfg.momentum
+    if m == 0:
+        return fir(1.0)
+    gamma = m * (1 - m**delay) / (1 - m)
+    return fir(1 + gamma, -gamma)
+
+
 CORRECTION = Correction(
     name="spike",
     acts_on="update",
@@ -101,7 +114,13 @@ CORRECTION = Correction(
     memory="none (a transient snapshot during the step)",
     needs="the optimizer's momentum: torch SGD (heavy ball) or AdamW",
     schedules="pipedream (D = P-1-s), 2bw (D = 1)",
-    source="published: Kosson et al., MLSys 2021, arXiv 2003.11666",
+    source=Source(
+        PUBLISHED,
+        "Kosson et al., Pipelined Backpropagation at Scale: Training Large Models without "
+        "Batches, MLSys 2021, arXiv 2003.11666 (heavy-ball SGD)",
+        ours="the AdamW form (the same response for its EMA, in Adam's numerator)",
+    ),
+    response=response,
     refuses=_refuses,
     wrap=_wrap,
 )

@@ -5,7 +5,9 @@ sequence number (the microbatch or step) and, where a process holds several mode
 chunk of the stage it is for; together they form the p2p tag, so messages can be posted in any
 order. Sends are asynchronous (their tensors are kept alive until they complete);
 receives are posted early and waited for where their data is consumed. Which process group
-carries a message is the :class:`~nobubble.pipeline.links.Links`' choice (NCCL ignores tags).
+carries a message is the :class:`~nobubble.pipeline.links.Links`' choice (NCCL ignores tags);
+every message is posted through the process's transport (:mod:`nobubble.pipeline.transport`:
+torch.distributed, or gloo run as NCCL would under ``emulate_nccl``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.channels import Channel, tag
 from nobubble.pipeline.links import Links
+from nobubble.pipeline.transport import MismatchedMessages, Work, active
 from nobubble.profiling import label
 
 
@@ -27,10 +29,20 @@ class PeerFailure(RuntimeError):
     """A peer stage did not answer in ``p2p_timeout_s``, or its connection closed (it exited)."""
 
 
+def message_name(channel: Channel, sequence: int) -> str:
+    """A message, short: ``activation mb5``, ``stats step 3`` (steps counted from 1)."""
+    name = channel.name.lower().replace("_", " ")
+    if channel in (Channel.ACTIVATION, Channel.GRADIENT):
+        return f"{name} mb{sequence}"
+    if channel in (Channel.STATS, Channel.CONTROL, Channel.STOP_VOTE):
+        return f"{name} step {sequence + 1}"
+    return f"{name} {sequence}"
+
+
 @dataclass
 class PendingRecv:
     buffer: torch.Tensor
-    work: dist.Work
+    work: Work
     peer: int  # the sending stage
     replica: int | None  # its replica (None: this rank's)
     what: str
@@ -39,14 +51,8 @@ class PendingRecv:
     device: torch.device  # where the receiver wants it (the buffer may be on the CPU)
 
     def __str__(self) -> str:
-        """What it brings, short (the profiler's label of its wait): ``activation mb5``,
-        ``stats step 3`` (steps counted from 1)."""
-        name = self.channel.name.lower().replace("_", " ")
-        if self.channel in (Channel.ACTIVATION, Channel.GRADIENT):
-            return f"{name} mb{self.sequence}"
-        if self.channel in (Channel.STATS, Channel.CONTROL, Channel.STOP_VOTE):
-            return f"{name} step {self.sequence + 1}"
-        return f"{name} {self.sequence}"
+        """What it brings, short (the profiler's label of its wait): :func:`message_name`."""
+        return message_name(self.channel, self.sequence)
 
 
 SEND_WINDOW = 16  # sends kept in flight before the oldest is waited for
@@ -65,9 +71,9 @@ class Messenger:
     """
 
     def __init__(self, layout: ParallelLayout, timeout_s: float, links: Links) -> None:
-        self.layout, self.links = layout, links
+        self.layout, self.links, self.transport = layout, links, active()
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.sends: list[tuple[Work, torch.Tensor]] = []
         self.waited_s = 0.0  # time blocked on peers: the stage's idle time
 
     def send(
@@ -87,7 +93,8 @@ class Messenger:
         rank = self.layout.rank_of(peer, replica)
         number = tag(channel, sequence, chunk, self.layout.chunks)
         group = self.links.group(channel, peer, self._replica(replica))
-        self.sends.append((dist.isend(tensor, rank, group=group, tag=number), tensor))
+        what = f"send {message_name(channel, sequence)} to {self.layout.name(peer, replica)}"
+        self.sends.append((self.transport.send(tensor, rank, group, number, what), tensor))
         if len(self.sends) > SEND_WINDOW:
             self._wait_sends(self.sends[:-SEND_WINDOW])
             del self.sends[:-SEND_WINDOW]
@@ -112,7 +119,8 @@ class Messenger:
         receiver = self.layout.stages[chunk]
         group = self.links.group(channel, receiver, self._replica(replica))
         rank = self.layout.rank_of(peer, replica)
-        work = dist.irecv(buffer, rank, group=group, tag=number)
+        name = f"receive {message_name(channel, sequence)} from {self.layout.name(peer, replica)}"
+        work = self.transport.recv(buffer, rank, group, number, name)
         return PendingRecv(buffer, work, peer, replica, what, channel, sequence, device)
 
     def _replica(self, replica: int | None) -> int:
@@ -138,18 +146,23 @@ class Messenger:
         return pending.buffer.to(pending.device)
 
     def _failure(self, doing: str, peer: str | None, waited: float, exc: Exception) -> PeerFailure:
-        """The error for a wait that failed: a timeout, or a peer (named) that went away."""
+        """The error for a wait that failed: a timeout, or a peer (named) that went away, or
+        (under the emulator) two stages that post their messages in different orders."""
         limit = self.timeout.total_seconds()
         who = peer if peer is not None else "the receiving stage"
         me = self.layout.name()
+        if isinstance(exc, MismatchedMessages):
+            return PeerFailure(f"{me} stopped {doing}: {exc}")
         if waited < 0.9 * limit:  # the transport gave up early: the connection is gone
             return PeerFailure(
                 f"{me} stopped {doing}: {who} exited or crashed (its own error, "
                 f"in its log or above, says why). Transport said: {exc}"
             )
+        hint = self.links.hang_hint()
         return PeerFailure(
             f"{me} gave up {doing} (limit {limit:.0f}s): {who} is stuck or died, "
             f"see its log; raise p2p_timeout_s if it is only slow. Transport said: {exc}"
+            + (f"\n{hint}" if hint else "")
         )
 
     def recv(self, *args, **kwargs) -> torch.Tensor:
@@ -160,7 +173,7 @@ class Messenger:
         self._wait_sends(self.sends)
         self.sends.clear()
 
-    def _wait_sends(self, sends: list[tuple[dist.Work, torch.Tensor]]) -> None:
+    def _wait_sends(self, sends: list[tuple[Work, torch.Tensor]]) -> None:
         started = time.perf_counter()
         try:
             with label("wait", len(sends), "sends"):

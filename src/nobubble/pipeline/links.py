@@ -16,7 +16,12 @@ n-th send always meets the n-th receive. The small control messages (step statis
 leader's go-ahead, stop votes, evaluation sums) go over a gloo group as CPU tensors, where tags
 hold; their values are read on the CPU anyway. ``shared`` routes (the default on gloo) send
 everything over the default group, as gloo allows; ``per-edge`` on gloo runs the NCCL links on
-a CPU machine (its tests).
+a CPU machine (its tests). Under ``emulate_nccl=true`` gloo pairs and orders messages as NCCL
+does (:mod:`nobubble.pipeline.emulated_nccl`): the routes are NCCL's, and ``shared`` routes
+hang there as they would on NCCL (the emulator's negative control).
+
+gloo sends point to point from host memory only, so on gloo with CUDA tensors every message
+travels as a CPU tensor (``host``); its all-reduces take CUDA tensors.
 """
 
 from __future__ import annotations
@@ -28,15 +33,18 @@ import torch.distributed as dist
 from nobubble.config import ConfigError
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.channels import Channel
+from nobubble.pipeline.transport import active
 
 DATA_CHANNELS = (Channel.ACTIVATION, Channel.GRADIENT, Channel.EVAL_ACTIVATION)
 
 
-def resolve_links(choice: str, backend: str) -> str:
-    """The config's ``p2p_routes`` on ``backend``: ``auto`` is per-edge on backends that ignore
-    tags (NCCL) and shared on gloo; shared on another backend than gloo is refused."""
+def resolve_links(choice: str, backend: str, emulated: bool = False) -> str:
+    """The config's ``p2p_routes`` on ``backend`` (``emulated``: gloo under ``emulate_nccl``):
+    ``auto`` is per-edge where messages pair in posting order (NCCL, the emulator) and shared on
+    gloo; shared on another backend than gloo is refused (under the emulator it is allowed, to
+    show the hang NCCL would have)."""
     if choice == "auto":
-        return "shared" if backend == "gloo" else "per-edge"
+        return "shared" if backend == "gloo" and not emulated else "per-edge"
     if choice == "shared" and backend != "gloo":
         raise ConfigError(
             f"p2p_routes=shared sends every message over one group, which needs a backend that "
@@ -57,25 +65,28 @@ class Links:
 
     edges: dict[tuple[Channel, int, int], dist.ProcessGroup | None] = field(default_factory=dict)
     control: dist.ProcessGroup | None = None
+    host: bool = False  # every message as a CPU tensor (gloo, whatever the device)
 
     @classmethod
     def build(cls, layout: ParallelLayout, kind: str) -> Links:
-        """The routes of ``kind`` (shared or per-edge; see :func:`resolve_links`). Every rank
-        must call it at the same point: torch requires every process to create every group, in
-        the same order."""
+        """The routes of ``kind`` (shared or per-edge; see :func:`resolve_links`) on this
+        process's transport. Every rank must call it at the same point: torch requires every
+        process to create every group, in the same order."""
+        transport = active()
+        routes = cls(host=transport.host_messages)
         if kind == "shared":
-            return cls()
-        routes = cls()
+            return routes
         for replica in range(layout.dp):
             for stage in range(layout.model_stages - 1):
                 ranks = sorted({layout.rank_of(stage, replica), layout.rank_of(stage + 1, replica)})
                 for channel in DATA_CHANNELS:
                     # a two-rank group per channel and edge (neighbours on one process need none)
-                    group = dist.new_group(ranks) if len(ranks) == 2 else None
+                    name = f"{channel.name.lower()} {stage}->{stage + 1} of replica {replica}"
+                    group = dist.new_group(ranks, group_desc=name) if len(ranks) == 2 else None
                     receiver = stage if channel is Channel.GRADIENT else stage + 1
                     routes.edges[(channel, receiver, replica)] = group
-        if dist.get_backend() != "gloo":
-            routes.control = dist.new_group(backend="gloo")
+        if not transport.pairs_by_tag:
+            routes.control = transport.control_group()
         return routes
 
     def group(self, channel: Channel, receiver: int, replica: int) -> dist.ProcessGroup | None:
@@ -86,4 +97,15 @@ class Links:
 
     def on_cpu(self, channel: Channel) -> bool:
         """Whether messages on ``channel`` travel as CPU tensors."""
-        return self.control is not None and channel not in DATA_CHANNELS
+        return self.host or (self.control is not None and channel not in DATA_CHANNELS)
+
+    def hang_hint(self) -> str:
+        """What to try when a wait gives up where messages pair in posting order (under the
+        emulator; per-edge routes there have a control group, shared ones do not)."""
+        if self.control is not None or not active().emulated:
+            return ""
+        return (
+            "Every message shares one process group here (p2p_routes=shared), where messages "
+            "pair in posting order and wait on each other: use p2p_routes=per-edge (auto's "
+            "choice on NCCL and under emulate_nccl)"
+        )

@@ -1,4 +1,11 @@
-"""The process group of a pipeline run: its rendezvous, its backend, and a teardown that holds.
+"""The process group of a pipeline run: its rendezvous, its backend and device, its transport
+(:mod:`nobubble.pipeline.transport`), and a teardown that holds.
+
+The backend (``dist_backend``): ``auto`` is NCCL on CUDA (one GPU per local rank, which NCCL
+requires) and gloo on the CPU; ``gloo`` also runs CUDA tensors (messages through host memory), and
+then local ranks may share GPUs (local rank i on GPU i mod the GPUs visible), which runs every
+CUDA path of the pipeline on one GPU but NCCL's own. ``emulate_nccl=true`` runs gloo as NCCL would
+(:mod:`nobubble.pipeline.emulated_nccl`) and is refused on NCCL itself.
 
 Why the teardown needs care: in torch 2.13 the first optimizer a process builds imports
 ``torch._dynamo``, and when that import happens while a process group exists, it keeps about ten
@@ -8,12 +15,14 @@ interpreter's and, now and then, ends a finished run in SIGABRT ("terminate call
 active exception"). So :func:`open_process_group` imports ``torch._dynamo`` first, and
 :func:`close_process_group` checks that nobody else still holds the group. If something does
 (another library, a later torch), the process ends without interpreter teardown once its work is
-done (:func:`exit_code`), so a finished job still exits with its code instead of crashing.
+done (:func:`exit_code`), so a finished job still exits with its code instead of crashing. The
+same holds for the emulator's threads: one stuck in gloo after a failure ends with the process.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 
@@ -21,20 +30,49 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from nobubble.config import TrainConfig
+from nobubble.config import ConfigError, TrainConfig
 from nobubble.device import resolve_device
+from nobubble.pipeline.emulated_nccl import EmulatedNccl
+from nobubble.pipeline.transport import Transport, active, install
 
-_OUTLIVED: list[str] = []  # the backends that outlived close_process_group in this process
+_OUTLIVED: list[str] = []  # what outlived close_process_group in this process, and how
 
 
 def device_and_backend(cfg: TrainConfig) -> tuple[torch.device, str]:
-    """This rank's device (one GPU per local rank) and the process-group backend for it."""
+    """This rank's device and the process-group backend for it (the module's docstring); a
+    backend the device or ``emulate_nccl`` cannot run is refused with the fix."""
     device = resolve_device(cfg.device)
-    if device.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return device, "gloo"
+    backend = cfg.dist_backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    check_backend(cfg, device, backend)
+    if device.type != "cuda":
+        return device, backend
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if backend == "nccl" and local >= count:
+        raise ConfigError(
+            f"NCCL needs a GPU of its own for every process, and local rank {local} has none "
+            f"({count} visible): start at most {count} processes on this node, or set "
+            "dist_backend=gloo to let processes share GPUs"
+        )
+    torch.cuda.set_device(local % count)
+    return torch.device("cuda", local % count), backend
+
+
+def check_backend(cfg: TrainConfig, device: torch.device, backend: str) -> None:
+    """Refuse a backend the device cannot run, and the emulator on NCCL itself."""
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            f"dist_backend=nccl needs CUDA tensors and this run trains on {device.type}; set "
+            "device=cuda, or dist_backend=auto (gloo on the CPU)"
+        )
+    if cfg.emulate_nccl and backend != "gloo":
+        why = "dist_backend=nccl" if cfg.dist_backend == "nccl" else "device=cuda picks it"
+        raise ConfigError(
+            f"emulate_nccl=true runs gloo as NCCL would, and this run's backend is {backend} "
+            f"({why}): set dist_backend=gloo to emulate it with this GPU's tensors (processes "
+            "may then share a GPU), or drop emulate_nccl to run NCCL itself"
+        )
 
 
 def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
@@ -57,33 +95,48 @@ def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.St
 
 
 def open_process_group(
-    backend: str, device: torch.device, rank: int, world: int, timeout_s: float
+    backend: str,
+    device: torch.device,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    emulate_nccl: bool = False,
 ) -> None:
-    """Join the run's process group (see the module docstring for the early import)."""
+    """Join the run's process group (see the module docstring for the early import) and set up
+    this process's transport: NCCL's manner on gloo with ``emulate_nccl``."""
     import torch._dynamo  # noqa: F401  (before the group exists, so it keeps no reference)
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    store = attempt_store(rank, world, timeout)
     dist.init_process_group(
         backend,
-        store=attempt_store(rank, world, timeout),
+        store=store,
         rank=rank,
         world_size=world,
         timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
+    install(EmulatedNccl(rank, world, store, timeout_s) if emulate_nccl else Transport())
 
 
 def close_process_group() -> bool:
-    """Destroy the process group and its subgroups; return whether their backends are really
-    gone with them (nothing else still holds one)."""
+    """Stop the transport, destroy the process group and its subgroups; return whether their
+    backends are really gone with them (nothing else still holds one) and the transport's
+    threads with them."""
+    transport = active()
+    install(Transport())
+    stopped = transport.close()  # first: its queues hold groups
+    gc.collect()  # what only garbage holds (an engine's segment and its updates, a cycle)
     groups = list(distributed_c10d._world.pg_map)  # the default group and every subgroup
     name = dist.get_backend(dist.group.WORLD)
     dist.destroy_process_group()
     # minus the reference in `groups`, the loop's and getrefcount's argument
     held_elsewhere = [group for group in groups if sys.getrefcount(group) - 3 > 0]
     if held_elsewhere:
-        _OUTLIVED.append(name)
-    return not held_elsewhere
+        _OUTLIVED.append(f"the {name} process group was still referenced after it was destroyed")
+    if not stopped:
+        _OUTLIVED.append("an emulated NCCL queue was still waiting in gloo when the run ended")
+    return not held_elsewhere and stopped
 
 
 def exit_code(code: int) -> int:
@@ -94,8 +147,7 @@ def exit_code(code: int) -> int:
     """
     if _OUTLIVED:
         print(
-            f"nobubble: note: the {_OUTLIVED[0]} process group was still referenced after it "
-            "was destroyed; exiting without interpreter teardown",
+            f"nobubble: note: {_OUTLIVED[0]}; exiting without interpreter teardown",
             file=sys.stderr,
         )
         sys.stdout.flush()

@@ -14,7 +14,12 @@ On CUDA both are GPU times from CUDA events, not CPU clocks: NCCL's future compl
 all-reduce is queued, and the CPU runs ahead of the GPU, so a CPU clock would time the queue, not
 the transfer. The all-reduce's time runs from the point of the compute stream where it was
 started to its completion (a side stream that waits for it records the end); the wait is how long
-the compute stream stalled on it.
+the compute stream stalled on it. On gloo with CUDA tensors (``dist_backend=gloo``) that wait
+holds the CPU until the sum is done (gloo reduces in host memory), so there the all-reduce does
+not run behind compute.
+
+The all-reduces are posted through the process's transport (:mod:`nobubble.pipeline.transport`),
+so under ``emulate_nccl`` they queue with the rest of their group's operations, as on NCCL.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.comm import PeerFailure
+from nobubble.pipeline.transport import Work, active
 from nobubble.profiling import label
 
 
@@ -44,7 +50,7 @@ def replica_rows(rows: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
 @dataclass
 class PendingReduction:
     step: int
-    works: list[dist.Work]
+    works: list[Work]
     bucket: torch.Tensor
     figures: torch.Tensor | None
     started: float
@@ -88,9 +94,9 @@ class ReplicaReduction:
             param.grad = None
         began = _recorded_event() if bucket.is_cuda else None
         started = time.perf_counter()
-        works = [dist.all_reduce(bucket, group=self.group, async_op=True)]
+        works = [self._all_reduce(bucket, f"{self.short} (step {step + 1})")]
         if figures is not None:
-            works.append(dist.all_reduce(figures, group=self.group, async_op=True))
+            works.append(self._all_reduce(figures, f"{self.short}'s figures (step {step + 1})"))
         pending = PendingReduction(step, works, bucket, figures, started)
         if began is not None:
             self._side = self._side or torch.cuda.Stream(bucket.device)
@@ -134,10 +140,18 @@ class ReplicaReduction:
 
     def sum_now(self, values: torch.Tensor, what: str) -> torch.Tensor:
         """Sum ``values`` over the group in place and wait for it (``what``: for the error)."""
-        self._wait([dist.all_reduce(values, group=self.group, async_op=True)], what)
+        self._wait([self._all_reduce(values, what)], what)
         return values
 
-    def _wait(self, works: list[dist.Work], what: str) -> None:
+    def _all_reduce(self, values: torch.Tensor, what: str) -> Work:
+        """Start summing ``values`` over the group, through the process's transport."""
+
+        def launch() -> dist.Work:
+            return dist.all_reduce(values, group=self.group, async_op=True)
+
+        return active().collective(self.group, launch, f"all-reduce: {what}", values.device)
+
+    def _wait(self, works: list[Work], what: str) -> None:
         wait_for(works, self.timeout, self.name, what)
 
     def report(self, prefix: str) -> dict[str, float]:
@@ -151,7 +165,7 @@ class ReplicaReduction:
         }
 
 
-def wait_for(works: list[dist.Work], timeout: datetime.timedelta, name: str, what: str) -> None:
+def wait_for(works: list[Work], timeout: datetime.timedelta, name: str, what: str) -> None:
     """Wait for collectives ``works``; one that fails or takes longer than ``timeout`` is a
     :class:`PeerFailure` saying that ``name`` (the rank that waited) stopped waiting for
     ``what``."""

@@ -61,11 +61,13 @@ from nobubble.pipeline.plan import RECV_AHEAD, Plan
 from nobubble.pipeline.replicas import replica_rows
 from nobubble.pipeline.shards import stage_groups
 from nobubble.pipeline.stats import StepStatistics
+from nobubble.pipeline.transport import active
 from nobubble.pipeline.updates import Updates
 from nobubble.profiling import OFF, action_label, labelled
 from nobubble.schedules import Action, ActionKind, schedule_spec
 from nobubble.stage_options import autocast
 from nobubble.stage_report import StageReport
+from nobubble.staleness import weight_drift
 
 RECV_CHANNELS = {ActionKind.RECV_ACT: Channel.ACTIVATION, ActionKind.RECV_GRAD: Channel.GRADIENT}
 
@@ -108,7 +110,8 @@ class PipelineEngine:
             for stage in layout.stages
         }
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
-        links = Links.build(layout, resolve_links(cfg.p2p_routes, dist.get_backend()))
+        routes = resolve_links(cfg.p2p_routes, dist.get_backend(), active().emulated)
+        links = Links.build(layout, routes)
         self.messenger = Messenger(layout, cfg.p2p_timeout_s, links)
         delay = max(held.trained.delay for held in self.held.values())
         self.control = StepControl(layout, self.messenger, device, delay)
@@ -255,6 +258,22 @@ class PipelineEngine:
         reports = [None] * self.layout.world if self.layout.is_leader else None
         dist.gather_object(report, reports, dst=self.layout.leader)
         return reports
+
+    def weight_drift(self) -> list[float | None] | None:
+        """Each model stage's weight drift (:mod:`nobubble.staleness`), each process measuring
+        its own stages at the pause and the leader gathering them (a collective call, at an
+        evaluation: the pipeline has drained); None on the other ranks, and where no stage has
+        a gradient delay (the same answer on every rank, without a message)."""
+        stages = self.layout.model_stages
+        if not any(schedule_spec(self.cfg.schedule).delays(stages)):
+            return None
+        mine = {s: weight_drift(h.trained.store, h.trained.delay) for s, h in self.held.items()}
+        parts = [None] * self.layout.world if self.layout.is_leader else None
+        dist.gather_object(mine, parts, dst=self.layout.leader)
+        if parts is None:
+            return None
+        drift = {s: value for part in parts for s, value in part.items()}  # replicas agree
+        return [drift[s] for s in range(stages)]
 
     def newest_weights(self) -> dict[str, torch.Tensor]:
         """The newest version of every parameter this process holds, by name."""

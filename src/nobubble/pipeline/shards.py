@@ -26,6 +26,11 @@ start at times the completions decide, which differ between the stages of an int
 process), so on every replica a group's collectives come in one order: reduce, norm, gather of
 step t, then those of step t+1.
 
+Every collective of the chain is posted through the process's transport
+(:mod:`nobubble.pipeline.transport`), so under ``emulate_nccl`` it queues with its group's other
+operations as on NCCL (the emulator runs gloo's, so the gloo path below, bitwise as on plain
+gloo).
+
 The reduce-scatter is NCCL's; on gloo, whose own reduce-scatter never reports completion to a
 poll (torch 2.13), it is an all-to-all of the bucket's segments and a sum of the dp received
 segments in replica order: the bytes of a reduce-scatter, with a second bucket held while it
@@ -44,6 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -51,6 +57,7 @@ import torch.distributed as dist
 from nobubble.checkpoint.named_state import NamedState
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.replicas import PendingReduction, ReplicaReduction, wait_for
+from nobubble.pipeline.transport import Launch, Work, active
 from nobubble.profiling import label
 from nobubble.sharding import ShardPlan, state_to
 from nobubble.update import TrainedStage
@@ -74,7 +81,7 @@ class ShardedStep:
     sums: torch.Tensor  # the step's figures, all-reduced in place
     tied: PendingReduction | None  # the tied weight's sum over its copies
     phase: Phase = Phase.REDUCE
-    works: list[dist.Work] = field(default_factory=list)
+    works: list[Work] = field(default_factory=list)
     buffer: torch.Tensor | None = None  # what the phase's collective writes
     sent: torch.Tensor | None = None  # what it reads (kept alive until it completes)
     squares: torch.Tensor | None = None  # zero=2: the gradient's sum of squares
@@ -126,20 +133,28 @@ class ShardedUpdate:
         for name in self.reduced_names:  # the bucket holds them now
             params[name].grad = None
         pending = ShardedStep(step, sums, tied)
+        group, what = self.group, f"the gradient's reduction (step {step + 1})"
         if self.zero == 1:
             pending.buffer = bucket
-            works = [dist.all_reduce(bucket, group=self.group, async_op=True)]
+            launch = partial(dist.all_reduce, bucket, group=group, async_op=True)
         elif self.exchanges:  # gloo: every segment to its replica, summed there
             pending.sent, pending.buffer = bucket, torch.empty_like(bucket)
-            works = [
-                dist.all_to_all_single(pending.buffer, bucket, group=self.group, async_op=True)
-            ]
+            launch = partial(
+                dist.all_to_all_single, pending.buffer, bucket, group=group, async_op=True
+            )
         else:
             pending.sent, pending.buffer = bucket, bucket.new_empty(self.reduced.segment)
-            works = [
-                dist.reduce_scatter_tensor(pending.buffer, bucket, group=self.group, async_op=True)
-            ]
-        works.append(dist.all_reduce(sums, group=self.group, async_op=True))
+            launch = partial(
+                dist.reduce_scatter_tensor, pending.buffer, bucket, group=group, async_op=True
+            )
+        works = [
+            self._post(launch, what, bucket),
+            self._post(
+                partial(dist.all_reduce, sums, group=group, async_op=True),
+                f"the step's figures (step {step + 1})",
+                sums,
+            ),
+        ]
         self._began(pending, works, bucket.numel() * bucket.element_size())
         return pending
 
@@ -188,7 +203,13 @@ class ShardedUpdate:
         if self.zero == 2:
             squares = torch.linalg.vector_norm(mine).double().square().reshape(1)
             pending.squares = squares
-            works = [dist.all_reduce(squares, group=self.group, async_op=True)]
+            works = [
+                self._post(
+                    partial(dist.all_reduce, squares, group=self.group, async_op=True),
+                    f"the gradient's sum of squares (step {pending.step + 1})",
+                    squares,
+                )
+            ]
             self._began(pending, works, squares.numel() * squares.element_size())
         else:
             pending.works = []
@@ -218,7 +239,15 @@ class ShardedUpdate:
             params, like=params[next(iter(params))], replicas=[self.plan.replica]
         )
         pending.sent, pending.buffer = mine, mine.new_empty(self.gathered.numel)
-        works = [dist.all_gather_single(pending.buffer, mine, group=self.group, async_op=True)]
+        works = [
+            self._post(
+                partial(
+                    dist.all_gather_single, pending.buffer, mine, group=self.group, async_op=True
+                ),
+                f"the all-gather of the new weights (step {pending.step + 1})",
+                mine,
+            )
+        ]
         pending.phase = Phase.GATHER
         self._began(pending, works, mine.numel() * mine.element_size())
 
@@ -235,7 +264,13 @@ class ShardedUpdate:
 
     # -- collectives and their times ------------------------------------------------------------
 
-    def _began(self, pending: ShardedStep, works: list[dist.Work], nbytes: int) -> None:
+    def _post(self, launch: Launch, what: str, tensor: torch.Tensor) -> Work:
+        """Start the collective ``launch`` starts on the stage's group, through the process's
+        transport (under ``emulate_nccl`` it queues with the group's other operations, as on
+        NCCL); ``what``: for the emulator's reports."""
+        return active().collective(self.group, launch, f"{self.name}: {what}", tensor.device)
+
+    def _began(self, pending: ShardedStep, works: list[Work], nbytes: int) -> None:
         pending.works, pending.started, pending.done = works, time.perf_counter(), []
         self.bytes += nbytes
         try:
@@ -244,7 +279,7 @@ class ShardedUpdate:
         except RuntimeError:  # no future on this backend: the completion as noticed
             pass
 
-    def _wait(self, pending: ShardedStep, works: list[dist.Work], block: bool) -> None:
+    def _wait(self, pending: ShardedStep, works: list[Work], block: bool) -> None:
         """Wait for ``works`` (complete already unless ``block``), counting the time blocked and
         the collective's own time."""
         began = time.perf_counter()
@@ -290,14 +325,17 @@ def stage_groups(
 ) -> dict[int, StageGroups]:
     """The groups of each model stage this process holds, over the stage's replicas: for the
     chain, ``replicas`` itself where a process holds one model stage, else one group per model
-    stage (see the module's docstring); for the state, the chain's on gloo, else a gloo group
-    (a checkpoint's state travels through host memory, never the GPU's). Every rank must call
-    it, in the same order relative to other groups."""
+    stage (see the module's docstring); for the state, the chain's on plain gloo, else a gloo
+    group of its own (a checkpoint's state travels through host memory, never the GPU's; under
+    ``emulate_nccl`` the chain's group has the emulator's queue, which the state's gather, made
+    outside the transport, must not share). Every rank must call it, in the same order relative
+    to other groups."""
     mine = {}
     for stage in range(layout.model_stages):
         ranks = [layout.rank_of(stage, r) for r in range(layout.dp)]
         chain = dist.new_group(ranks) if layout.chunks > 1 else replicas
-        state = dist.new_group(ranks, backend="gloo") if backend != "gloo" else chain
+        plain = backend == "gloo" and not active().emulated
+        state = chain if plain else dist.new_group(ranks, backend="gloo")
         if stage in layout.stages:
             mine[stage] = StageGroups(chain, state)
     return mine

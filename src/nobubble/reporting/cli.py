@@ -16,13 +16,23 @@ from pathlib import Path
 
 from nobubble.config import FIELDS, unknown_key_error
 from nobubble.destinations import make_output_folder
-from nobubble.reporting.groups import CLEAR_GAP_SE, Comparison, Group, compare, group_runs
+from nobubble.reporting.groups import (
+    CLEAR_GAP_SE,
+    Comparison,
+    Group,
+    compare,
+    controls,
+    group_runs,
+)
 from nobubble.reporting.runs import ReportError, discover, matches, parse_filter
 from nobubble.reporting.table import (
+    controls_table,
     downstream_table,
+    drift_gap_correlation,
     gap_during_training_table,
     quality_table,
     reverse_table,
+    staleness_table,
     target_table,
 )
 from nobubble.reporting.target import reverse_rows, target_rows
@@ -54,6 +64,23 @@ GAP_NOTE = """Mean validation loss of each group minus its synchronous baseline'
 evaluation nearest to a quarter, half and all of training (steps where every seed of both was \
 evaluated). Read it beside the learning-rate schedule: a stale gradient costs more the larger \
 the steps, so a gap may shrink as the learning rate decays rather than as training goes on."""
+
+CONTROLS_NOTE = """Each delayed group with a correction beside its *control*, the same \
+correction under a synchronous schedule (no delay). *cost without delay*: the control minus the \
+synchronous baseline (what the correction costs, or gains, with nothing to correct). *delay's \
+cost with it*: the group minus its control; *without it*: the plain delayed group's gap; *of \
+which removed*: 1 − with/without, the share of the delay's cost the correction removes once its \
+own cost is set apart (the *gap closed* column above mixes the two). dc and spike do nothing at \
+delay 0 and predict is refused there (docs/corrections.md): their control is the baseline \
+itself."""
+
+STALENESS_NOTE = """*weight drift*: ‖w[t] − w[t−d]‖ / ‖w[t]‖ of each delayed stage at each \
+evaluation (the distance from the weights its gradients are computed at to its newest ones), \
+averaged over the model stages with a delay; *mean*: over a run's evaluations after the first \
+update, *end*: at its last; mean ± std over the seeds that recorded it. *gradient cosine*: \
+between the delayed gradient and the fresh one on the same batch, every `staleness_every` steps \
+(one-process engine), averaged over a run's measurements (docs/corrections.md, "Staleness you \
+can see")."""
 
 REVERSE_HEADING = "### The reverse: the baseline's time to each delayed run's final loss"
 
@@ -138,6 +165,20 @@ def render(
     gaps = gap_during_training_table(rows)
     if gaps is not None:
         parts += ["## Delay gap during training", gaps, GAP_NOTE]
+    found = controls(rows)
+    if found:
+        parts += ["## Corrections against their controls without a delay", controls_table(found)]
+        parts.append(CONTROLS_NOTE)
+    staleness = staleness_table(rows)
+    if staleness is not None:
+        parts += ["## Staleness", staleness, STALENESS_NOTE]
+        correlation = drift_gap_correlation(rows)
+        if correlation is not None:
+            rho, count = correlation
+            parts.append(
+                f"Rank correlation (Spearman) between a group's mean weight drift and its gap vs "
+                f"sync, over the {count} groups with both: {rho:+.2f}."
+            )
     if target is not None:
         parts += ["## Time to target", target, TARGET_NOTE]
     parts.append("## Plots")

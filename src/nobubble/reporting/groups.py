@@ -5,7 +5,10 @@ pipeline runs (schedule, delay corrections, stages, microbatches, partition) are
 *comparison*: the synchronous group without a correction among them is the baseline of the
 others, and the delay gap of a group is its mean final validation loss minus the baseline's. A
 group with a correction is also compared with the same group without it: the share of that
-plain run's gap the correction closes.
+plain run's gap the correction closes, and, where the same correction ran under a synchronous
+schedule too, with that control: what the correction costs without a delay, apart from what it
+does to the delay (:func:`controls`). A group's staleness (weight drift, gradient cosine:
+:mod:`nobubble.staleness`) is set beside its gap (:func:`rank_correlation`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +36,7 @@ PIPELINE_KEYS = tuple(
     for f in dataclasses.fields(SECTIONS[section])
     if f.metadata["resume"] != FREE
 )
+PARALLEL_KEYS = tuple(k for k in PIPELINE_KEYS if k not in CORRECTION_KEYS)
 SCHEDULE_ORDER = SCHEDULE_NAMES  # sync first, then the pipeline schedules in the registry's order
 # A gap smaller than this many standard errors is treated as seed noise.
 CLEAR_GAP_SE = 2.0
@@ -45,6 +49,12 @@ class Stat:
     mean: float
     std: float
     n: int
+
+    @classmethod
+    def of_known(cls, values: Sequence[float | None]) -> Stat | None:
+        """Over the values that are known (a run that measured it); None if none is."""
+        known = [v for v in values if v is not None]
+        return cls.of(known) if known else None
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Stat:
@@ -114,8 +124,35 @@ class Group:
             if len(values) == len(self.runs)
         }
 
+    @property
+    def drift(self) -> Stat | None:
+        """Each run's weight drift averaged over its evaluations after the first update, over
+        the runs that recorded one (None: none did, e.g. a synchronous group)."""
+        return Stat.of_known(
+            [_mean([p.weight_drift for p in r.evals if p.step]) for r in self.runs]
+        )
+
+    @property
+    def final_drift(self) -> Stat | None:
+        """The weight drift at each run's last evaluation that recorded one."""
+        last = [
+            next((p.weight_drift for p in reversed(r.evals) if p.weight_drift is not None), None)
+            for r in self.runs
+        ]
+        return Stat.of_known(last)
+
+    @property
+    def cosine(self) -> Stat | None:
+        """Each run's gradient cosine (``staleness_every``) averaged over its measurements."""
+        return Stat.of_known([_mean([c for _, c in run.cosines]) for run in self.runs])
+
     def without(self, *keys: str) -> dict[str, Any]:
         return {k: v for k, v in self.settings.items() if k not in keys}
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def corrections_of(settings: dict[str, Any]) -> tuple[str, ...]:
@@ -239,3 +276,98 @@ def compare(groups: Sequence[Group]) -> list[Comparison]:
     """A row per group, in the groups' order."""
     rows = [_with_gap(group, groups) for group in groups]
     return [_with_closed_share(row, rows) for row in rows]
+
+
+@dataclass(frozen=True)
+class Control:
+    """A delayed group with a correction beside the same correction without a delay (its
+    control) and the same delayed group without a correction: the correction's cost without any
+    delay, apart from what it does to the delay's cost."""
+
+    row: Comparison  # the delayed group with the correction
+    control: Comparison  # the same correction under a synchronous schedule
+    plain: Comparison  # the delayed group without a correction
+
+    @property
+    def cost(self) -> float:
+        """What the correction costs without a delay: its control minus the baseline."""
+        return self.control.gap
+
+    @property
+    def delay_cost(self) -> float:
+        """What the delay costs with the correction: the group minus its control."""
+        return self.row.group.loss.mean - self.control.group.loss.mean
+
+    @property
+    def removed(self) -> float | None:
+        """The share of the plain delay's cost the correction removes, its own cost aside."""
+        if self.plain.gap is None or not self.plain.gap_is_clear:
+            return None
+        return 1 - self.delay_cost / self.plain.gap
+
+
+def controls(rows: Sequence[Comparison]) -> list[Control]:
+    """Each delayed group with a correction whose control (the same settings under a synchronous
+    schedule) and plain delayed group are among ``rows``, all with finite gaps."""
+    found = []
+    for row in rows:
+        group = row.group
+        if not group.corrections or group.settings["schedule"] in SYNCHRONOUS_SCHEDULES:
+            continue
+        same = group.corrections  # however they were spelled (ef=true or correction=ef)
+        spelling = (*PARALLEL_KEYS, "correction", "ef")
+        control = _find(rows, group, lambda g, same=same: g.corrections == same, spelling)
+        plain = _find(rows, group, lambda g: not g.corrections, CORRECTION_KEYS, synchronous=False)
+        gaps = [r.gap for r in (row, control, plain) if r is not None]
+        if len(gaps) == 3 and all(g is not None and math.isfinite(g) for g in gaps):
+            found.append(Control(row, control, plain))
+    return found
+
+
+def _find(
+    rows: Sequence[Comparison],
+    group: Group,
+    wanted: Callable[[Group], bool],
+    keys: Sequence[str],
+    synchronous: bool = True,
+) -> Comparison | None:
+    """The row whose group matches ``group`` but for ``keys``, passes ``wanted``, and runs a
+    synchronous schedule (or the same one as ``group``)."""
+    for row in rows:
+        other = row.group
+        same_schedule = (
+            other.settings["schedule"] in SYNCHRONOUS_SCHEDULES
+            if synchronous
+            else other.settings["schedule"] == group.settings["schedule"]
+        )
+        if same_schedule and wanted(other) and other.without(*keys) == group.without(*keys):
+            return row
+    return None
+
+
+def rank_correlation(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """Spearman's rank correlation of (x, y) pairs (ties share their mean rank); None for fewer
+    than 3 pairs or a constant column."""
+    if len(pairs) < 3:
+        return None
+    xs, ys = _ranks([x for x, _ in pairs]), _ranks([y for _, y in pairs])
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+    sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+    if sx == 0 or sy == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / (sx * sy)
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks

@@ -1,4 +1,5 @@
-"""Reading run folders: config.json, summary.json, the eval lines of metrics.jsonl, and the
+"""Reading run folders: config.json, summary.json, the eval lines of metrics.jsonl (with the
+weight drift, and the gradient cosines where measured: :mod:`nobubble.staleness`), and the
 downstream scores of ``nobubble eval`` (``downstream/``) where there are any.
 
 A run is reported when its summary.json says it finished or diverged: stopped by the non-finite
@@ -21,10 +22,22 @@ from nobubble.downstream.scores import Column, Score, latest_scores
 from nobubble.files import read_json_lines, read_json_object
 from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
 from nobubble.schedules.registry import SCHEDULES
+from nobubble.staleness import COSINE, DRIFT
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
-NON_RESULT_KEYS = ("out", "name", "threads", "progress", "p2p_timeout_s", "p2p_routes")
+# staleness_every only measures (the same steps, with or without it: tests/test_staleness.py);
+# emulate_nccl only changes how messages travel (bitwise the same run: tests/test_emulated_nccl.py).
+NON_RESULT_KEYS = (
+    "out",
+    "name",
+    "threads",
+    "progress",
+    "p2p_timeout_s",
+    "p2p_routes",
+    "staleness_every",
+    "emulate_nccl",
+)
 
 
 class ReportError(ConfigError):
@@ -60,6 +73,7 @@ class EvalPoint:
     val_loss: float
     val_bpb: float
     train_time_s: float
+    weight_drift: float | None = None  # the mean over the model stages with a delay
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,7 @@ class Run:
     summary: dict[str, Any]
     evals: tuple[EvalPoint, ...]
     downstream: Mapping[Column, Score]  # scores from `nobubble eval` (none if never run)
+    cosines: tuple[tuple[int, float], ...] = ()  # (step, mean gradient cosine over the stages)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -91,12 +106,31 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def read_evals(metrics: Path) -> tuple[tuple[EvalPoint, ...], int]:
-    """The evaluations metrics.jsonl records, by step, and how many of its lines are damaged
-    (skipped)."""
+def stage_mean(values: Any) -> float | None:
+    """The mean of a per-model-stage list's numbers (None: a stage without a delay); None if
+    it holds none, or is not such a list."""
+    if not isinstance(values, list):
+        return None
+    numbers = [v for v in values if _number(v) and math.isfinite(v)]
+    return sum(numbers) / len(numbers) if numbers else None
+
+
+@dataclass(frozen=True)
+class Metrics:
+    evals: tuple[EvalPoint, ...]  # by step
+    cosines: tuple[tuple[int, float], ...]  # by step
+    damaged: int  # lines skipped
+
+
+def read_metrics(metrics: Path) -> Metrics:
+    """The evaluations and the gradient cosines metrics.jsonl records, and how many of its lines
+    are damaged (skipped)."""
     lines, damaged = read_json_lines(metrics, "move it out of the run folder to report the run")
-    points = []
+    points, cosines = [], []
     for _, record in lines:
+        cosine = stage_mean(record.get(COSINE))
+        if cosine is not None and _number(record.get("step")):
+            cosines.append((record["step"], cosine))
         if "val_loss" not in record:
             continue
         fields = (record.get("step"), record["val_loss"], record.get("val_bpb"))
@@ -104,8 +138,9 @@ def read_evals(metrics: Path) -> tuple[tuple[EvalPoint, ...], int]:
             damaged += 1
             continue
         seconds = record.get("train_time_s", math.nan)
-        points.append(EvalPoint(*fields, seconds if _number(seconds) else math.nan))
-    return tuple(sorted(points, key=lambda p: p.step)), damaged
+        seconds = seconds if _number(seconds) else math.nan
+        points.append(EvalPoint(*fields, seconds, stage_mean(record.get(DRIFT))))
+    return Metrics(tuple(sorted(points, key=lambda p: p.step)), tuple(sorted(cosines)), damaged)
 
 
 CONFIG_FIX = "restore it to report the run (each checkpoint's shard_0/meta.json holds a copy)"
@@ -114,12 +149,12 @@ CONFIG_FIX = "restore it to report the run (each checkpoint's shard_0/meta.json 
 def load_run(path: Path, summary: dict[str, Any]) -> tuple[Run, str | None]:
     """The run in ``path`` (whose summary is ``summary``), and a warning if some of its metrics
     lines are damaged."""
-    evals, damaged = read_evals(path / "metrics.jsonl")
+    metrics = read_metrics(path / "metrics.jsonl")
     config = read_json_object(path / "config.json", CONFIG_FIX)
-    run = Run(path, config, summary, evals, latest_scores(path))
-    if not damaged:
+    run = Run(path, config, summary, metrics.evals, latest_scores(path), metrics.cosines)
+    if not metrics.damaged:
         return run, None
-    return run, f"{path / 'metrics.jsonl'}: skipped {damaged} damaged line(s)"
+    return run, f"{path / 'metrics.jsonl'}: skipped {metrics.damaged} damaged line(s)"
 
 
 def stopped_early(folder: Path, summary: dict[str, Any]) -> str | None:

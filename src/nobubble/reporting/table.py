@@ -1,5 +1,5 @@
-"""Markdown tables: final quality per group with its delay gap, downstream scores, and time to
-target."""
+"""Markdown tables: final quality per group with its delay gap, downstream scores, time to
+target, staleness beside the gap, and each correction against its control without a delay."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from nobubble.downstream.scores import Column
-from nobubble.reporting.groups import Comparison, Group, Stat, varied_keys
+from nobubble.reporting.groups import (
+    Comparison,
+    Control,
+    Group,
+    Stat,
+    rank_correlation,
+    varied_keys,
+)
 from nobubble.reporting.target import ReverseRow, TargetRow
 
 # shown in their own columns ("setup" names the schedule and the corrections), not under "settings"
@@ -181,5 +188,80 @@ def reverse_table(rows: Sequence[ReverseRow], all_groups: Sequence[Group]) -> st
             "—" if r.speedup is None else f"{r.speedup:.2f}×",
         ]
         for r in rows
+    ]
+    return markdown_table(header, body)
+
+
+def _fmt_known(stat: Stat | None) -> str:
+    return "—" if stat is None else fmt_stat(stat)
+
+
+def staleness_table(rows: Sequence[Comparison]) -> str | None:
+    """Each group's weight drift (mean over training, and at the end) and gradient cosine
+    beside its gap; None when no run recorded any."""
+    found = [r for r in rows if r.group.drift is not None or r.group.cosine is not None]
+    if not found:
+        return None
+    keys = varied_keys([r.group for r in found], exclude=COLUMN_KEYS)
+    header = [
+        *_who_header(keys),
+        "seeds",
+        "weight drift (mean)",
+        "weight drift (end)",
+        "gradient cosine",
+        "gap vs sync",
+    ]
+    body = [
+        [
+            *_who(r.group, keys),
+            str(len(r.group.runs)),
+            _fmt_known(r.group.drift),
+            _fmt_known(r.group.final_drift),
+            _fmt_known(r.group.cosine),
+            fmt_gap(r),
+        ]
+        for r in found
+    ]
+    return markdown_table(header, body)
+
+
+def drift_gap_correlation(rows: Sequence[Comparison]) -> tuple[float, int] | None:
+    """Spearman's correlation between the groups' mean weight drift and their gap vs sync, and
+    how many groups it is over (those with both, finite); None for fewer than 3."""
+    pairs = [
+        (r.group.drift.mean, r.gap)
+        for r in rows
+        if r.group.drift is not None and r.gap is not None and math.isfinite(r.gap)
+    ]
+    rho = rank_correlation(pairs)
+    return None if rho is None else (rho, len(pairs))
+
+
+def controls_table(found: Sequence[Control]) -> str | None:
+    """Each correction's cost without a delay apart from the delay's cost with it; None without
+    any control."""
+    if not found:
+        return None
+    keys = varied_keys([c.row.group for c in found], exclude=COLUMN_KEYS)
+    header = [
+        *_who_header(keys),
+        "control",
+        "cost without delay",
+        "gap vs sync",
+        "delay's cost with it",
+        "delay's cost without it",
+        "of which removed",
+    ]
+    body = [
+        [
+            *_who(c.row.group, keys),
+            c.control.group.setup,
+            f"{c.cost:+.4f}",
+            fmt_gap(c.row),
+            f"{c.delay_cost:+.4f}",
+            fmt_gap(c.plain),
+            "—" if c.removed is None else f"{100 * c.removed:.0f}%",
+        ]
+        for c in found
     ]
     return markdown_table(header, body)

@@ -105,7 +105,7 @@ def run_training(
                     f"{resume_command(run.path, engine.layout.world)}",
                 )
             if pause.evaluate:
-                log.on_eval(stop, engine.evaluate(val, token_bytes))
+                log.on_eval(stop, engine.evaluate(val, token_bytes), engine.weight_drift())
                 if watch_stages and stop < cfg.steps:  # the last step's come with the summary
                     log.on_stages(stop, engine.stage_reports(digests=False))
             log.flush()

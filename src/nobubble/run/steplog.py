@@ -14,6 +14,7 @@ from nobubble.evaluation import EvalSums
 from nobubble.flops import Utilization
 from nobubble.model.moe import routing_metrics
 from nobubble.runfolder import RunFolder
+from nobubble.staleness import COSINE, DRIFT
 from nobubble.tracking import Loggers, open_loggers, scalars_of, stage_scalars
 
 
@@ -75,7 +76,8 @@ class StepLogger:
         flops = {"mfu": f"{mfu:.1%}"} if mfu is not None else {"tflops": self.tflops(rate)}
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{rate:,.0f}", **flops, refresh=False)
-        if not last and self.done % self.cfg.log_every and self.done != self.cfg.steps:
+        logged = not self.done % self.cfg.log_every or self.done == self.cfg.steps
+        if not (last or logged or stats.grad_cosine is not None):  # a measurement is kept
             return
         self.flush()
         record = {
@@ -90,13 +92,17 @@ class StepLogger:
             record["mfu"] = mfu
         if stats.skipped_stages:
             record["skipped_stages"] = stats.skipped_stages
+        if stats.grad_cosine is not None:
+            record[COSINE] = stats.grad_cosine
         if stats.routing:
             record.update(routing_metrics(stats.routing))
         self.pending = record
         if last:
             self.flush()
 
-    def on_eval(self, step: int, sums: EvalSums) -> None:
+    def on_eval(self, step: int, sums: EvalSums, drift: list[float | None] | None = None) -> None:
+        """An evaluation's line, with each model stage's weight drift where a stage has a
+        delay (:mod:`nobubble.staleness`)."""
         if not self.enabled:
             return
         val_loss, val_bpb = sums.result()
@@ -105,6 +111,8 @@ class StepLogger:
             self.flush()
             self.pending = {"step": step}
         self.pending.update(val_loss=val_loss, val_bpb=val_bpb, train_time_s=self.train_time)
+        if drift is not None:
+            self.pending[DRIFT] = drift
         self.bar.write(f"step {step}: val_loss {val_loss:.4f}  val_bpb {val_bpb:.4f}")
         self.flush()
 

@@ -168,14 +168,21 @@ class TorchrunLauncher:
         check_launch(cfg, self.layout)
         configure_torch(cfg)
         self.device, backend = device_and_backend(cfg)
-        resolve_links(cfg.p2p_routes, backend)  # a choice the backend cannot run: refused now
+        # a choice the backend cannot run: refused now
+        resolve_links(cfg.p2p_routes, backend, cfg.emulate_nccl)
         open_process_group(
-            backend, self.device, self.layout.rank, self.layout.world, cfg.p2p_timeout_s
+            backend,
+            self.device,
+            self.layout.rank,
+            self.layout.world,
+            cfg.p2p_timeout_s,
+            cfg.emulate_nccl,
         )
         self.restarted = restarted_by_torchrun()
         self.replicas = None
-        try:
-            self.replicas = replica_group(self.layout, self.device.type)
+        try:  # the mesh of the backend's device: gloo's groups sum CUDA tensors too
+            mesh_device = "cpu" if backend == "gloo" else self.device.type
+            self.replicas = replica_group(self.layout, mesh_device)
         except BaseException:
             close_process_group()
             raise

@@ -1,0 +1,63 @@
+"""Staleness you can see: how far a delayed stage's weights have moved from the version its
+gradients are computed at, and how far its gradient points from the fresh one.
+
+- **Weight drift** (every evaluation, both engines, bitwise the same): ‖w[t] - w[t-d]‖ / ‖w[t]‖
+  over a stage's trained parameters (summed in name order), w[t] its newest version and w[t-d]
+  the one its next step's gradient is computed at (with weight prediction, the version ŵ
+  extrapolates from). metrics.jsonl's
+  evaluation lines carry one value per model stage (``weight_drift``; null for a stage without a
+  delay).
+- **Gradient cosine** (one-process engine, every ``staleness_every`` steps): the cosine between a
+  stage's gradient as training computed it (at the delayed weights, or ŵ) and the gradient of
+  the same batch at every stage's newest weights, before clipping (``grad_cosine``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from nobubble.versions import VersionStore, gradient_version
+
+DRIFT = "weight_drift"
+COSINE = "grad_cosine"
+PER_STAGE = (DRIFT, COSINE)  # metrics.jsonl keys holding one value (or null) per model stage
+
+
+def weight_drift(store: VersionStore, delay: int) -> float | None:
+    """‖w[t] - w[t-d]‖ / ‖w[t]‖ of a stage with gradient ``delay`` d whose newest version is t
+    (None without a delay); float64 sums over its parameters that train."""
+    if delay == 0:
+        return None
+    newest = store.newest
+    new, old = store[newest], store[gradient_version(newest, delay)]
+    # in name order: the engines hold a stage's parameters in different orders (a tied copy)
+    names = sorted(name for name, p in store.params.items() if p.requires_grad)
+    moved = _squares(new[n] - old[n] for n in names)
+    size = _squares(new[n] for n in names)
+    if size == 0:
+        return 0.0 if moved == 0 else math.inf
+    return math.sqrt(moved / size)
+
+
+def _squares(tensors: Iterable[torch.Tensor]) -> float:
+    return sum(float(t.detach().double().pow(2).sum()) for t in tensors)
+
+
+def cosine(first: Iterable[torch.Tensor | None], second: Iterable[torch.Tensor | None]) -> float:
+    """The cosine between two gradients given as tensors in the same order (None: zeros)."""
+    dot = norm_a = norm_b = 0.0
+    for a, b in zip(first, second, strict=True):
+        if a is None or b is None:
+            norm_a += _squares([a]) if a is not None else 0.0
+            norm_b += _squares([b]) if b is not None else 0.0
+            continue
+        a, b = a.detach().double(), b.detach().double()
+        dot += float((a * b).sum())
+        norm_a += float(a.pow(2).sum())
+        norm_b += float(b.pow(2).sum())
+    if norm_a == 0 or norm_b == 0:
+        return math.nan
+    return dot / math.sqrt(norm_a * norm_b)
