@@ -78,7 +78,7 @@ class ParallelSettings:
     )
     emulate_nccl: bool = setting(
         False,
-        "pipeline, gloo only: run the messages and all-reduces as NCCL would (tags ignored, "
+        "pipeline, gloo only: run the messages and collectives as NCCL would (tags ignored, "
         "one operation at a time per process group, in posting order), so a schedule that "
         "would hang on NCCL hangs here too and says where; the same results as without",
         resume=FREE,
@@ -86,9 +86,10 @@ class ParallelSettings:
     partition: str = setting(
         "blocks",
         "how the blocks are split over the model stages when stage_layers is not given: blocks "
-        "(the embedding and the head weigh embed_cost and head_cost blocks) or flops (each part "
-        "by its training FLOPs, resolved into stage_layers once the tokenizer is known and saved "
-        "in config.json)",
+        "(the embedding and the head weigh embed_cost and head_cost blocks; of the splits with "
+        "the same slowest stage, the one filled from the front) or flops (each part by its "
+        "training FLOPs; of those splits the most even, lighter at the front; resolved into "
+        "stage_layers once the tokenizer is known and saved in config.json)",
         choices=PARTITIONS,
         resume=LAYOUT,
     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nobubble.flops import block_matmul_weights
-from nobubble.model.partition import partition
+from nobubble.model.partition import flop_costs, partition
 from nobubble.model.presets import ModelConfig
 
 BYTES_PER_WEIGHT_VERSION = 2
@@ -58,15 +58,16 @@ def stage_costs(
     microbatch_size: int,
     activation_checkpointing: bool = False,
 ) -> list[StageCost]:
-    """The model cut into ``stages`` stages as nobubble.model.partition cuts it. An MoE block
-    computes with its active weights (nobubble.flops) and holds all of its experts; its
-    activations are counted as those of a dense block (the routed experts' inputs and hidden
-    states, k copies of the token's, are not added)."""
+    """The model cut into ``stages`` stages as ``partition=flops`` cuts it (the embedding and
+    the head by their FLOPs, the most even of the fastest splits: nobubble.model.partition). An
+    MoE block computes with its active weights (nobubble.flops) and holds all of its experts;
+    its activations are counted as those of a dense block (the routed experts' inputs and
+    hidden states, k copies of the token's, are not added)."""
     d, dh, vocab = mc.d_model, mc.head_dim, mc.vocab_size or 0
     tokens = seq_len * microbatch_size
     attention_flops = 4 * mc.n_heads * dh * seq_len  # per token, forward
     costs = []
-    for spec in partition(mc.n_layers, stages):
+    for spec in partition(mc.n_layers, stages, *flop_costs(mc, seq_len), even=True):
         blocks = len(spec.blocks)
         matmuls = sum(2 * block_matmul_weights(mc, i) for i in spec.blocks)
         matmuls += 2 * d * vocab if spec.has_head else 0
