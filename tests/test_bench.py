@@ -40,6 +40,7 @@ from nobubble.bench.report import (
     paired_ratio,
     summarize,
     targets,
+    zero_markdown,
 )
 from nobubble.bench.torch_worker import P2PWaitClock, torch_schedules
 from nobubble.bench.variants import DEFAULT_VARIANTS, VARIANTS, Shape, command, twin
@@ -522,3 +523,68 @@ def test_counts_that_leave_nothing_to_measure_are_refused_before_any_run(
     capsys, no_launch, argv, message
 ):
     assert message in refused(capsys, *argv)
+
+
+# -- sharded state (--zero) ----------------------------------------------------------------------
+
+
+def zero_report(stage: int, replica: int, state_mb: float) -> dict:
+    """A summary.json entry of a sharded run: the chain's keys, not the all-reduce's."""
+    entry = rank_report(stage, replica, took=0.0, waited=0.0, idle=1.0)
+    entry = {k: v for k, v in entry.items() if not k.startswith("allreduce")}
+    return entry | {
+        "state_mb": state_mb, "zero_comm_s": 1.0, "zero_comm_wait_s": 0.05,
+        "zero_comm_mb": 4 * 9.0, "zero_comm_last_s": 0.1, "zero_comm_last_wait_s": 0.05,
+    }  # fmt: skip
+
+
+def test_a_sharded_run_is_read_by_its_chain_and_its_state_against_zero_0():
+    """The chain's times stand where the all-reduce's would; each rank's state is judged against
+    1/dp of the same variant with zero=0."""
+    whole = [zero_report(s, r, 12.0) for s in range(2) for r in range(2)]
+    half = [zero_report(s, r, 6.0) for s in range(2) for r in range(2)]
+    first, _ = stage_results(half, steps=4)
+    assert first.allreduce_s == pytest.approx(1.8 / 6)  # the last chain left out
+    assert first.hidden_fraction == pytest.approx(1.0) and first.hidden_fraction_run == 0.95
+    assert first.allreduce_mb == pytest.approx(9.0) and first.state_mb == 6.0
+
+    def run_of(reports):
+        return dataclasses.replace(dp_run(100, (0, 0)), stages=stage_results(reports, 4))
+
+    results = {"2bw": [run_of(whole)], "2bw+zero1": [run_of(half)]}
+    claims = {t.claim: t for t in targets(results, None, stages=2, microbatches=4)}
+    state = claims["2bw+zero1: optimizer and correction state per rank, × 2bw's, per stage"]
+    assert state.measured == "0.500 / 0.500" and state.met
+    assert claims["2bw+zero1: the update's collectives time hidden (not waited for), per stage"]
+    table = zero_markdown([summarize(name, results, None) for name in results], False)
+    assert "| 2bw | 12.00 / 12.00 |" in table and "| 2bw+zero1 | 6.00 / 6.00 |" in table
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--zero", "1"], "give --dp 2 or more"),
+        (["--dp", "2", "--zero", "3"], "1 and/or 2"),
+        (["--dp", "2", "zero=1"], "sets zero itself"),
+    ],
+)
+def test_zero_levels_the_bench_cannot_run_are_refused(capsys, no_launch, argv, message):
+    assert message in refused(capsys, *argv)
+
+
+@pytest.mark.slow
+def test_quick_bench_runs_each_variant_with_sharded_state_beside_zero_0(tmp_path, capsys):
+    """`--dp 2 --zero 2`: 2bw and 2bw+zero2 in one run; the chain's figures and each rank's
+    state, about half of zero=0's, in the report (no timing asserted)."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "--dp", "2", "--zero", "2", "--schedules", "2bw",
+            "--json", str(out), "p2p_timeout_s=60"]  # fmt: skip
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "Sharded state (zero)" in table and "| 2bw+zero2 |" in table
+    summaries = {s["name"]: s for s in json.loads(out.read_text())["summary"]}
+    assert set(summaries) == {"2bw", "2bw+zero2"}
+    halves = zip(summaries["2bw"]["state_mb"], summaries["2bw+zero2"]["state_mb"], strict=True)
+    for whole, part in halves:
+        assert part == pytest.approx(whole / 2, rel=0.02)
+    assert all(h <= 1 for h in summaries["2bw+zero2"]["hidden"])

@@ -176,6 +176,8 @@ UNUSED = [
     ({"dc_lambda": 0.1, "dc_mean_square_decay": 0.9, "correction": "dc"}, False, set()),
     ({"chunks": 1, "schedule": "1f1b", "stages": 2, "microbatches": 2}, False, {"chunks"}),
     ({"chunks": 2, "schedule": "interleaved-1f1b", "stages": 2, "microbatches": 2}, False, set()),
+    ({"zero": 1}, False, {"zero"}),  # nothing to shard over: a warning, not an error
+    ({"zero": 2, "dp": 2}, False, set()),  # the one-process engine notes it (dp_note)
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, False,
      {"p2p_timeout_s", "p2p_routes"}),
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, True, set()),

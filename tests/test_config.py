@@ -118,6 +118,7 @@ NUMBER_KEYS += sorted(k for k in FIELDS if _holds(list[int], HINTS[k]))
         ("momentum", 1.0, "in [0, 1)"),
         ("val_fraction", 0.0, "in (0, 1)"),
         ("embed_cost", -1.0, ">= 0 and finite"),
+        ("zero", 3, "in [0, 2]"),  # the valid values: 0, 1, 2
         ("d_model", 0, "positive (> 0)"),
         ("seed", -1, "in [0, 4294967296)"),
         ("stage_layers", [2, -1], ">= 0"),

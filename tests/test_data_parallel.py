@@ -74,6 +74,9 @@ CASES = [
     (2, "2bw", 2, ["optim=muon", "p2p_routes=per-edge"]),  # NCCL's routes, per replica
     pytest.param(2, "2bw", 2, ["optim=muon", "ef=true"], marks=EXTENDED),
     (2, "pipedream", 1, ["optim=adamw"]),
+    # SGD without clipping moves with the gradient's scale, which AdamW and Muon barely notice: a
+    # gradient not divided by dp is caught here
+    (2, "2bw", 2, ["optim=sgd", "momentum=0.9", "grad_clip=0"]),
     # two model stages a process, the tied copies' all-reduce beside the replicas'
     (2, "interleaved-1f1b", 2, ["optim=adamw", "tie_embeddings=true"]),
     (1, "sync", 2, ["optim=adamw"]),  # plain data parallelism: one stage, two replicas

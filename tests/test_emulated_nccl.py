@@ -2,7 +2,8 @@
 would run it.
 
 - Every schedule runs under it and computes bitwise what the plain gloo run computes: losses and
-  final weights (P = 2 and 4, data parallelism, tied embeddings, MoE). `make test` runs a few
+  final weights (P = 2 and 4, data parallelism with replicated and sharded state, tied
+  embeddings, MoE). `make test` runs a few
   cases that between them cross every path (per-edge routes in both directions, the tied and the
   data-parallel all-reduces, the split backward, MoE's statistics); the rest are `extended`.
 - The negative control: with every message on one group (``p2p_routes=shared``), 1F1B on two
@@ -26,8 +27,15 @@ pytestmark = pytest.mark.slow
 
 EMULATED = ["emulate_nccl=true"]  # its routes: auto = per-edge, as on NCCL
 
-# Issue 26 (ZeRO sharding) adds its settings here: every data-parallel case then runs with each.
-REPLICA_MODES = [pytest.param([], id="replicated")]
+# Every data-parallel case runs with each: replicated state, and sharded (issue 26), whose chain
+# of collectives (reduction, norm, all-gather) posts through the transport too. zero=2 crosses
+# every collective of the chain (all-to-all, the norm's all-reduce, the all-gather); zero=1's
+# all-reduce and all-gather are a subset of it and of the replicated case's.
+REPLICA_MODES = [
+    pytest.param([], id="replicated"),
+    pytest.param(["zero=1"], id="zero1", marks=EXTENDED),
+    pytest.param(["zero=2"], id="zero2"),
+]
 
 CASES = [
     # (stages, schedule, microbatches, extra settings); in make test: 1f1b (the schedule the

@@ -150,6 +150,47 @@ def test_balanced_partition(layers, stages, embed, head, expected):
     assert [b for s in specs for b in s.blocks] == list(range(layers))
 
 
+@pytest.mark.parametrize(
+    ("layers", "stages", "embed", "head", "expected"),
+    [
+        # the slowest stage costs 2 either way: costs 1, 1, 2, 2 (sum of squares 10) tie with
+        # blocks' 2, 2, 1, 1; the lighter front wins
+        (4, 4, 1.0, 1.0, [0, 1, 2, 1]),
+        # slowest 3: blocks' 2, 3, 3, 0 (costs 3, 3, 3, 1: 28) against 3, 2, 3, 3 (26)
+        # and lighter at the front of the splits of 26
+        (8, 4, 1.0, 1.0, [1, 2, 3, 2]),
+        (12, 4, 1.0, 1.0, [2, 3, 4, 3]),
+        # the issue's shape: blocks gives 5, 6 x 12, 2, 1, 0; costs 82 over 16 stages at most 6
+        # each, the most even has fourteen 5s and two 6s, the 6s at the back
+        (80, 16, 1.0, 1.0, [4] + [5] * 13 + [6, 5]),
+        # Llama 3 70B's head by its FLOPs (about 1.14 blocks): the last stage takes 4 blocks
+        # (5.14), one 6 among 5s, at the back
+        (80, 16, 0.0, 1.14, [5] * 14 + [6, 4]),
+        (4, 1, 1.0, 1.0, [4]),
+        (1, 3, 1.0, 1.0, [0, 1, 0]),
+    ],
+)
+def test_even_partition_prefers_the_most_even_split_lighter_at_the_front(
+    layers, stages, embed, head, expected
+):
+    specs = partition(layers, stages, embed, head, even=True)
+    assert [len(s.blocks) for s in specs] == expected
+    assert [b for s in specs for b in s.blocks] == list(range(layers))
+    fastest = partition(layers, stages, embed, head)  # the same slowest stage
+
+    def slowest(counts: list[int]) -> float:
+        return max(n + embed * (i == 0) + head * (i == stages - 1) for i, n in enumerate(counts))
+
+    assert slowest(expected) == slowest([len(s.blocks) for s in fastest])
+
+
+def test_the_default_partition_splits_as_recorded_runs_did():
+    """partition=blocks (the default, and every run folder and study recorded without
+    stage_layers) keeps its split, stages filled from the front."""
+    assert [len(s.blocks) for s in partition(80, 16)] == [5] + [6] * 12 + [2, 1, 0]
+    assert [len(s.blocks) for s in partition(4, 4)] == [1, 2, 1, 0]  # tiny on 4 stages
+
+
 def test_explicit_partition_and_its_errors():
     assert [len(s.blocks) for s in partition(4, 2, stage_layers=[1, 3])] == [1, 3]
     with pytest.raises(ConfigError, match="summing"):

@@ -163,6 +163,11 @@ def test_dp_in_one_process_says_it_is_the_same_run(tmp_path, capsys):
     assert (
         metrics(tmp_path / "dp2")[-1]["train_loss"] == metrics(tmp_path / "dp1")[-1]["train_loss"]
     )
+    # zero shards the state over the replicas: nothing to shard in one process, the same run
+    zero = ["train", "--out", str(tmp_path / "z"), "--no-progress", *args, "dp=2", "zero=2"]
+    assert main(zero) == 0
+    assert "dp=2 with zero=2 in one process" in capsys.readouterr().err
+    assert metrics(tmp_path / "z")[-1]["train_loss"] == metrics(tmp_path / "dp1")[-1]["train_loss"]
 
 
 def test_a_flops_partition_is_saved_as_the_split_it_resolved_to(tmp_path):

@@ -15,7 +15,7 @@ from nobubble.planning.costs import stage_costs
 from nobubble.planning.estimate import Plan, estimate, shape_problem
 from nobubble.planning.grid import grid
 from nobubble.planning.hardware import DEVICES, LINKS
-from nobubble.planning.shapes import PLANNING_SHAPES
+from nobubble.planning.shapes import LLAMA3_FAMILY, PLANNING_SHAPES
 from nobubble.schedules import SCHEDULE_NAMES, generate
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
 
@@ -78,6 +78,53 @@ def test_memory_of_1f1b_first_rank_by_hand():
     )  # two weight versions
 
 
+@pytest.mark.parametrize(
+    ("zero", "schedule", "per_parameter"),
+    [
+        # BF16 versions + FP32 gradient + 12 bytes of master weight and moments (1/dp with
+        # zero > 0) + under 2bw the reduced gradient held while the next one accumulates
+        # (1/dp of it with zero=2); dp = 4
+        (0, "1f1b", 2 + 4 + 12),
+        (1, "1f1b", 2 + 4 + 3),
+        (2, "1f1b", 2 + 4 + 3),
+        (0, "2bw", 2 * 2 + 4 + 12 + 4),
+        (1, "2bw", 2 * 2 + 4 + 3 + 4),
+        (2, "2bw", 2 * 2 + 4 + 3 + 1),
+    ],
+)
+def test_memory_with_sharded_state_by_hand(zero, schedule, per_parameter):
+    p = plan(dp=4, zero=zero)
+    first = stage_costs(p.model, 4, p.seq_len, p.microbatch_size)[0]
+    expected = first.parameters * per_parameter + 4 * first.activation_bytes  # P in flight
+    assert estimate(p, schedule).memory_gb[0] == pytest.approx(expected / 1e9)
+
+
+def test_activation_checkpointing_keeps_block_inputs_and_recomputes_by_hand():
+    first, last = stage_costs(SHAPE, 2, seq_len=8, microbatch_size=2, activation_checkpointing=True)
+    tokens, block_weights = 16, 2 * 64 * 16 * (4 + 2) + 3 * 64 * 128
+    block_flops = 2 * block_weights + 4 * 4 * 16 * 8
+    assert first.activation_bytes == 2 * tokens * 64  # the block's input, 16 bits
+    assert last.activation_bytes == 2 * tokens * 64 + 4 * tokens * 100  # + FP32 logits
+    assert first.recompute_bytes == last.recompute_bytes == 34 * tokens * 64  # one block live
+    assert first.recompute_flops == last.recompute_flops == block_flops * tokens  # no head
+    p = plan(activation_checkpointing=True)
+    costs = stage_costs(p.model, 4, p.seq_len, p.microbatch_size, activation_checkpointing=True)
+    rate = p.device.peak_tflops * 1e12 * p.mfu
+    per_microbatch = [(3 * c.forward_flops + c.recompute_flops) / rate for c in costs]
+    assert estimate(p, "2bw").step_s == pytest.approx(p.microbatches * max(per_microbatch))
+    held = costs[0].parameters * 18 + 4 * costs[0].activation_bytes + costs[0].recompute_bytes
+    assert estimate(p, "1f1b").memory_gb[0] == pytest.approx(held / 1e9)
+
+
+def test_sharded_traffic_is_a_reduction_and_a_gather_of_the_new_weights():
+    p = plan(dp=4)
+    share = 3 / 4
+    assert estimate_module.dp_bytes_per_parameter(p) == 2 * share * 4  # ring all-reduce, FP32
+    one, two = plan(dp=4, zero=1), plan(dp=4, zero=2)
+    assert estimate_module.dp_bytes_per_parameter(one) == 2 * share * 4 + share * 2  # + BF16
+    assert estimate_module.dp_bytes_per_parameter(two) == share * 4 + share * 2
+
+
 def test_the_allreduce_is_exposed_after_a_flush_and_hidden_under_2bw():
     ring = 2 * 3 / 4  # dp = 4
     costs = stage_costs(plan().model, 4, 32, 2)
@@ -129,6 +176,50 @@ def test_plan_prints_every_schedule_and_the_best_that_fits(capsys):
     assert "no schedule fits in 1 GB per GPU" in capsys.readouterr().out
 
 
+def row(out: str, schedule: str) -> list[str]:
+    """The cells of ``schedule``'s row of the printed table."""
+    line = next(line for line in out.splitlines() if line.startswith(f"| {schedule} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+LLAMA3_70B_ON_128 = (
+    "--preset", "llama3-70b", "--stages", "16", "--microbatches", "32", "--dp", "8",
+)  # fmt: skip
+
+
+def test_a_2bw_plan_for_llama3_70b_fits_80_gb_with_sharded_state_and_checkpointing(capsys):
+    """16 stages x 8 replicas of H100s: replicated state does not fit, zero=1 with activation
+    checkpointing does, under 2bw; the table names the largest Llama 3 each schedule fits."""
+    assert cli(*LLAMA3_70B_ON_128) == 0
+    out = capsys.readouterr().out
+    assert "zero=0, activation checkpointing off" in out.splitlines()[0]
+    assert row(out, "2bw")[6] == "no"
+    assert cli(*LLAMA3_70B_ON_128, "--zero", "1", "--activation-checkpointing") == 0
+    out = capsys.readouterr().out
+    assert "zero=1, activation checkpointing on" in out.splitlines()[0]
+    cells = row(out, "2bw")
+    assert float(cells[5]) <= 80 and cells[6] == "yes"
+    assert cells[7] == "llama3-70b"
+    assert cli(*LLAMA3_70B_ON_128, "--zero", "2", "--activation-checkpointing", "--json") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["plan"]["zero"], data["plan"]["activation_checkpointing"]) == (2, True)
+    two = next(p for p in data["predictions"] if p["schedule"] == "2bw")
+    assert max(two["memory_gb"]) <= 80 and two["largest_llama3_that_fits"] == "llama3-70b"
+
+
+def test_the_largest_llama3_that_fits_is_the_last_of_the_family_under_the_limit():
+    p = plan(model=PLANNING_SHAPES["llama3-8b"], stages=16, microbatches=32, dp=8, zero=2,
+             activation_checkpointing=True)  # fmt: skip
+    peaks = {
+        name: estimate(dataclasses.replace(p, model=PLANNING_SHAPES[name]), "2bw").peak_memory_gb
+        for name in LLAMA3_FAMILY
+    }
+    assert peaks["llama3-8b"] < peaks["llama3-70b"] < peaks["llama3-405b"]
+    between = (peaks["llama3-70b"] + peaks["llama3-405b"]) / 2
+    assert plan_cli.largest_fitting(p, "2bw", between) == "llama3-70b"
+    assert plan_cli.largest_fitting(p, "2bw", peaks["llama3-8b"] / 2) == "none"
+
+
 def test_the_grid_compares_2bw_with_the_fastest_sync_schedule_at_each_shape():
     points = grid(plan(), [2, 4], [1, 2])
     assert [(pt.stages, pt.microbatches) for pt in points] == [(2, 2), (2, 4), (4, 4), (4, 8)]
@@ -164,6 +255,7 @@ def test_plan_grid_prints_a_row_per_shape_and_draws_it(tmp_path, capsys):
         (("--stages", "0"), "--stages must be at least 1"),
         (("--p2p-gbps", "0"), "--p2p-gbps must be positive"),
         (("--grid", "2,x"), "--grid takes whole numbers"),
+        (("--zero", "1"), "--zero shares the state out over data-parallel replicas; give --dp 2"),
     ],
 )
 def test_bad_input_is_explained(argv, message):

@@ -27,6 +27,7 @@ def report(pp_rank: int, replica: int) -> dict:
         idle_s=1.0 + pp_rank,
         peak_mem_mb=500.0 + replica,
         param_mb=6.0,
+        state_mb=12.0,
         weight_versions_peak=2,
         action_s=action_s,
     ).as_dict()
@@ -70,6 +71,6 @@ def test_a_report_of_an_earlier_version_reads_like_a_new_one(tmp_path):
 
 def test_idle_fraction_is_none_where_idle_time_is_not_measured():
     """Torch's baseline on NCCL cannot time its waits on peers."""
-    blind = StageReport(0, (0,), 0, 4, 10.0, None, 1.0, 1.0, 1).as_dict()
+    blind = StageReport(0, (0,), 0, 4, 10.0, None, 1.0, 1.0, 2.0, 1).as_dict()
     assert blind["idle_s"] is None and blind["idle_fraction"] is None and blind["action_s"] is None
-    assert StageReport(0, (0,), 0, 4, 0.0, 0.0, 1.0, 1.0, 1).idle_fraction == 0.0
+    assert StageReport(0, (0,), 0, 4, 0.0, 0.0, 1.0, 1.0, 2.0, 1).idle_fraction == 0.0

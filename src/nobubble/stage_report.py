@@ -35,6 +35,7 @@ class StageReport:
     idle_s: float | None
     peak_mem_mb: float
     param_mb: float  # one copy of its weights
+    state_mb: float  # the optimizer's and the correction's state it holds
     weight_versions_peak: int
     action_s: dict[str, dict[str, float]] | None = None
 
@@ -56,6 +57,7 @@ class StageReport:
             "idle_fraction": self.idle_fraction,
             "peak_mem_mb": self.peak_mem_mb,
             "param_mb": self.param_mb,
+            "state_mb": self.state_mb,
             "weight_versions_peak": self.weight_versions_peak,
             "action_s": self.action_s,
         }

@@ -156,6 +156,11 @@ READ_WHEN: dict[str, ReadWhen] = {
         lambda cfg, _: schedule_spec(cfg.schedule).interleaved,
         lambda cfg, _: f"schedule={cfg.schedule}",
     ),
+    "zero": ReadWhen(
+        "dp > 1 (replicas to shard the state over)",
+        lambda cfg, _: cfg.dp > 1,
+        lambda cfg, _: f"dp={cfg.dp}",
+    ),
     "p2p_timeout_s": _TORCHRUN,
     "p2p_routes": _TORCHRUN,
     "dist_backend": _TORCHRUN,

@@ -45,6 +45,7 @@ from nobubble.optim.clipping import clip_grad_norm
 from nobubble.optim.composite import OptimizerLike
 from nobubble.optim.lr_schedule import lr_at, set_lr
 from nobubble.optim.registry import build_optimizer
+from nobubble.sharding import ShardPlan
 from nobubble.versions import VersionStore, Weights, gradient_version
 
 
@@ -62,7 +63,10 @@ class TrainedStage:
     the run's delay correction, and :meth:`apply`, the one order of its update.
 
     ``tied``: the name of the tied weight if the stage holds one of its two copies;
-    ``reports_tied``: whether its reported norm includes that weight's (the first stage's does).
+    ``reports_tied``: whether its reported norm includes that weight's (the first stage's does);
+    ``shard``: with sharded data parallelism (``zero`` > 0), the part of the parameters this
+    replica updates, its optimizer and correction holding state for that part alone (the other
+    replicas' parts of the new version come from them: :mod:`nobubble.pipeline.shards`).
     """
 
     def __init__(
@@ -73,18 +77,38 @@ class TrainedStage:
         cfg: TrainConfig,
         tied: str | None = None,
         reports_tied: bool = False,
+        shard: ShardPlan | None = None,
     ) -> None:
         self.index, self.delay, self.cfg = index, delay, cfg
         self.tied, self.reports_tied = tied, reports_tied
         self.store = VersionStore(params)
         self.point = StepWeights(self.store, delay, predicts(cfg))
-        self.optimizer = build_stage_optimizer(list(params.items()), cfg, delay)
+        self.shard = shard
+        # with sharded state: this replica's parts of the newest version, which its optimizer
+        # steps (views, pointed again at the newest version before every step)
+        self.parts: dict[str, torch.nn.Parameter] | None = None
+        if shard is not None:
+            self.parts = {
+                p.name: torch.nn.Parameter(p.of(params[p.name].data)) for p in shard.parts()
+            }
+            if not self.parts:
+                raise ValueError(
+                    f"model stage {index}: replica {shard.replica} of {shard.dp} would update no "
+                    "parameter (the stage has fewer parameters than replicas to share them); "
+                    "use fewer replicas or zero=0"
+                )
+        self.optimizer = build_stage_optimizer(list(self.stepped.items()), cfg, delay)
         self.versions_peak = 1
 
     @property
     def params(self) -> dict[str, torch.nn.Parameter]:
-        """The optimizer's parameters: the newest version."""
+        """The newest version (the optimizer's parameters, without sharded state)."""
         return self.store.params
+
+    @property
+    def stepped(self) -> dict[str, torch.nn.Parameter]:
+        """What the optimizer steps: the parameters, or this replica's parts of them."""
+        return self.store.params if self.parts is None else self.parts
 
     def at(self, step: int) -> Weights:
         """The weights every forward and backward of ``step`` runs at."""
@@ -94,15 +118,33 @@ class TrainedStage:
         """Part 1: the gradient of ``step`` (complete) onto the optimizer's parameters."""
         self.point.take_gradients(step)
 
-    def apply(self, step: int, routing: Routing, balance_rate: float) -> tuple[float, bool, float]:
+    def apply(
+        self,
+        step: int,
+        routing: Routing,
+        balance_rate: float,
+        norms: tuple[float, float | None] | None = None,
+    ) -> tuple[float, bool, float]:
         """Parts 2 and 3, once the gradient is complete (summed with a tied copy's, averaged over
         replicas): clip and set up the versions, move the MoE balance biases by the step's
-        ``routing``, step the optimizer on the newest version. Returns (gradient norm before
+        ``routing``, step the optimizer on the newest version. ``norms``: the gradient's norms
+        where this process holds only a part of it (sharded state: the stage's but the tied
+        weight's, and the tied weight's), else measured here. Returns (gradient norm before
         clipping, whether the update went ahead in full, learning rate)."""
         norm, ok = prepare_step(
-            self.store, step, self.point.history, self.cfg.grad_clip, self.tied, self.reports_tied
+            self.store,
+            step,
+            self.point.history,
+            self.cfg.grad_clip,
+            self.tied,
+            self.reports_tied,
+            self.parts,
+            norms,
         )
         self.versions_peak = max(self.versions_peak, self.point.copies())
+        if self.parts is not None:  # the step writes the newest version, wherever it is now
+            for part in self.shard.parts():
+                self.parts[part.name].data = part.of(self.store.params[part.name].data)
         balance_routers(self.store.params, routing, balance_rate)
         lr = optimizer_step(self.optimizer, step, self.cfg)
         return norm, ok, lr
@@ -125,7 +167,15 @@ class TrainedStage:
         :meth:`checkpoint_tensors` wrote them (at least this stage's), ``optimizer`` a named
         state covering (at least) this stage's parameters."""
         self.store.load(versions_from_tensors(tensors, self.params, step, self.point.history))
+        if self.shard is not None:
+            optimizer = self.shard.slice_state(optimizer)
+            for part in self.shard.parts():
+                self.parts[part.name].data = part.of(self.store.params[part.name].data)
         load_named_state(self.optimizer, optimizer, skip_unowned=True)
+
+    def state_mb(self) -> float:
+        """The optimizer's and the correction's state this process holds, in MiB."""
+        return self.named_state().nbytes() / 2**20
 
 
 def versions_from_tensors(
@@ -159,6 +209,8 @@ def prepare_step(
     grad_clip: float,
     tied: str | None = None,
     reports_tied: bool = False,
+    parts: dict[str, torch.nn.Parameter] | None = None,
+    norms: tuple[float, float | None] | None = None,
 ) -> tuple[float, bool]:
     """Clip the stage's gradient and set up the versions for the optimizer step of ``step``.
 
@@ -166,13 +218,16 @@ def prepare_step(
     under weight prediction: :attr:`nobubble.corrections.predict.StepWeights.history`).
     ``tied``: the name of the tied weight if this stage holds one of its two copies (its gradient
     already summed over both); ``reports_tied``: whether the returned norm includes it (the
-    first stage's does). Returns (gradient norm before clipping, whether the stage's update goes
-    ahead in full).
+    first stage's does). ``parts`` and ``norms``: with sharded state, the parts the gradient is
+    on and the norms of the whole gradient (of the stage but the tied weight, of the tied
+    weight). Returns (gradient norm before clipping, whether the stage's update goes ahead in
+    full).
     """
+    params = store.params if parts is None else parts
     if tied is None:
-        norm, ok = clip_stage(store.params.values(), grad_clip)
+        norm, ok = clip_stage(params.values(), grad_clip, None if norms is None else norms[0])
     else:
-        norm, ok = clip_with_tied(store.params, tied, grad_clip, reports_tied)
+        norm, ok = clip_with_tied(params, tied, grad_clip, reports_tied, norms)
     store.release_older_than(gradient_version(step + 1, history))
     store.begin_step(still_needed=history > 0)
     return norm, ok
@@ -187,13 +242,16 @@ def optimizer_step(optimizer: Any, step: int, cfg: TrainConfig) -> float:
     return lr
 
 
-def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, bool]:
-    """Clip one stage's gradients; drop them if non-finite so the optimizer skips the stage.
+def clip_stage(
+    params: Iterable[torch.nn.Parameter], max_norm: float, norm: float | None = None
+) -> tuple[float, bool]:
+    """Clip one stage's gradients (by ``norm`` if given: the norm of a gradient of which
+    ``params`` hold a part); drop them if non-finite so the optimizer skips the stage.
 
     Returns (norm before clipping, whether the update goes ahead).
     """
     params = [p for p in params if p.grad is not None]
-    norm = clip_grad_norm(params, max_norm)
+    norm = clip_grad_norm(params, max_norm, norm)
     if math.isfinite(norm):
         return norm, True
     for p in params:
@@ -202,14 +260,21 @@ def clip_stage(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[f
 
 
 def clip_with_tied(
-    params: dict[str, torch.nn.Parameter], tied: str, max_norm: float, reports_tied: bool
+    params: dict[str, torch.nn.Parameter],
+    tied: str,
+    max_norm: float,
+    reports_tied: bool,
+    norms: tuple[float, float | None] | None = None,
 ) -> tuple[float, bool]:
     """Clip a stage that holds a copy of the tied weight ``tied``: the tied weight by its own
-    norm, the other parameters together by theirs; either group is dropped if its norm is not
-    finite. Returns (the others' norm, combined with the tied norm if ``reports_tied``; whether
-    both groups go ahead)."""
-    norm, ok = clip_stage([p for name, p in params.items() if name != tied], max_norm)
-    tied_norm, tied_ok = clip_stage([params[tied]], max_norm)
+    norm, the other parameters together by theirs (``norms``: both given, where ``params`` hold
+    parts of the gradient); either group is dropped if its norm is not finite. Returns (the
+    others' norm, combined with the tied norm if ``reports_tied``; whether both groups go
+    ahead)."""
+    others, tied_norm = (None, None) if norms is None else norms
+    norm, ok = clip_stage([p for name, p in params.items() if name != tied], max_norm, others)
+    copy = [params[tied]] if tied in params else []  # sharded: this replica may hold none of it
+    tied_norm, tied_ok = clip_stage(copy, max_norm, tied_norm)
     if reports_tied:
         norm = combined_norm([norm, tied_norm])
     return norm, ok and tied_ok

@@ -23,6 +23,7 @@ from nobubble.bench.report import (
     ordered,
     summarize,
     targets,
+    zero_markdown,
 )
 from nobubble.bench.runner import (
     BUSY_CORES,
@@ -37,10 +38,13 @@ from nobubble.bench.variants import (
     FIXED_SETTINGS,
     OPTIONS,
     VARIANTS,
+    ZERO_SUFFIX,
     Shape,
     Variant,
     option_sets,
     with_options,
+    with_zero,
+    zero_levels,
 )
 from nobubble.config import ConfigError, parse_overrides
 from nobubble.configure import build_config
@@ -70,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="data-parallel replicas of the pipeline: stages x dp processes, each replica reads "
         "1/dp of every microbatch (default: 1)",
+    )
+    parser.add_argument(
+        "--zero",
+        metavar="LEVELS",
+        help="with --dp > 1, also run each of our variants with sharded state at these zero "
+        "levels (1, 2 or 1,2), reported against the same variant with zero=0 (default: none)",
     )
     parser.add_argument("--steps", type=int, help="optimizer steps (default: 40)")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: 16)")
@@ -167,7 +177,7 @@ def common_settings(args: argparse.Namespace) -> list[str]:
         *(QUICK_MODEL if args.quick else ()),
     ]
     controlled = set(parse_overrides(ours)) | {f.name for f in dataclasses.fields(Shape)}
-    controlled |= {"schedule", "out", "ef"}
+    controlled |= {"schedule", "out", "ef", "zero"}
     if args.options:
         controlled |= set(parse_overrides(OPTIONS.values()))
     clash = sorted(controlled & set(parse_overrides(args.overrides)))
@@ -270,6 +280,12 @@ def run(args: argparse.Namespace) -> int:
         variants = selected_variants(args.schedules)
         if args.options:
             variants = with_options(variants, option_sets(args.options))
+        if args.zero:
+            if args.dp == 1:
+                raise ConfigError(
+                    "--zero shards the state over data-parallel replicas; give --dp 2 or more"
+                )
+            variants = with_zero(variants, zero_levels(args.zero))
         common = common_settings(args)
         shape: Shape = bench_shape(args)
         for variant in variants:  # every config error before the first launch
@@ -298,10 +314,23 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"\nData parallelism, dp={args.dp}: per optimizer step and rank, leaving out the "
             "run's last all-reduce (waited for at the end, with nothing left to hide behind) "
-            "but in the second hidden column; per-stage cells list stage 0 first:\n"
+            "but in the second hidden column; for a variant with sharded state (+zero) the "
+            "all-reduce columns are its update's chain (reduce, norm, all-gather) and its MB "
+            "the bucket and this rank's part; per-stage cells list stage 0 first:\n"
         )
         print(dp_markdown(summaries))
-    options = [option_summary(v.name, v.plain, results, memory) for v in variants if v.plain]
+    if args.zero:
+        print(
+            "\nSharded state (zero): each variant with zero=0 and then sharded; state: the "
+            "optimizer's and the correction's per rank (the most of any replica); hidden: of "
+            "the update's chain of collectives (zero > 0) or the all-reduce (zero=0):\n"
+        )
+        print(zero_markdown(summaries, memory is not None))
+    options = [
+        option_summary(v.name, v.plain, results, memory)
+        for v in variants
+        if v.plain and ZERO_SUFFIX not in v.name
+    ]
     if options:
         print(
             "\nSpeed and memory options, each against the same variant without them (tokens/s: "

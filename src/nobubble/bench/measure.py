@@ -35,9 +35,13 @@ class StageResult:
     peak_mem_mb: float  # ru_maxrss on the CPU, max_memory_allocated on CUDA
     param_mb: float  # one copy of the stage's weights
     weight_versions: int  # most weight copies held at once
+    # optimizer and correction state a replica holds (the most of any; None: not reported)
+    state_mb: float | None = None
     # With data parallelism (else None), per optimizer step and rank, means over the replicas,
     # leaving out the run's last all-reduce (waited for at the end, with no compute left to hide
-    # behind; where the run folder does not say which one was last, over every step):
+    # behind; where the run folder does not say which one was last, over every step). With
+    # sharded state (zero > 0) the "all-reduce" is the update's chain of collectives (reduce,
+    # norm, all-gather: nobubble.pipeline.shards), its bytes the bucket and this rank's part:
     allreduce_s: float | None = None  # start of the gradient all-reduce to its completion
     allreduce_wait_s: float | None = None  # the part of it the stage spent blocked
     hidden_fraction: float | None = None  # 1 - summed wait / summed all-reduce time
@@ -188,22 +192,24 @@ def _stage_result(replicas: list[dict], steps: int) -> StageResult:
         peak_mem_mb=max(r["peak_mem_mb"] for r in replicas),
         param_mb=replicas[0]["param_mb"],
         weight_versions=max(r["weight_versions_peak"] for r in replicas),
+        state_mb=max(r["state_mb"] for r in replicas) if "state_mb" in replicas[0] else None,
         replicas=len(replicas),
     )
-    if not all("allreduce_s" in r for r in replicas):
+    key = "zero_comm" if "zero_comm_s" in replicas[0] else "allreduce"
+    if not all(f"{key}_s" in r for r in replicas):
         return result
-    took = sum(r["allreduce_s"] for r in replicas)
-    waited = sum(r["allreduce_wait_s"] for r in replicas)
+    took = sum(r[f"{key}_s"] for r in replicas)
+    waited = sum(r[f"{key}_wait_s"] for r in replicas)
     per_step = len(replicas) * steps
     steady_took, steady_waited, steady_steps = took, waited, per_step
-    if steps > 1 and all("allreduce_last_s" in r for r in replicas):
-        steady_took -= sum(r["allreduce_last_s"] for r in replicas)
-        steady_waited -= sum(r["allreduce_last_wait_s"] for r in replicas)
+    if steps > 1 and all(f"{key}_last_s" in r for r in replicas):
+        steady_took -= sum(r[f"{key}_last_s"] for r in replicas)
+        steady_waited -= sum(r[f"{key}_last_wait_s"] for r in replicas)
         steady_steps -= len(replicas)
     peers = [
         None
         if r["idle_s"] is None
-        else r["idle_s"] - r["allreduce_wait_s"] - r.get("tied_allreduce_wait_s", 0.0)
+        else r["idle_s"] - r[f"{key}_wait_s"] - r.get("tied_allreduce_wait_s", 0.0)
         for r in replicas
     ]
     return dataclasses.replace(
@@ -212,7 +218,7 @@ def _stage_result(replicas: list[dict], steps: int) -> StageResult:
         allreduce_wait_s=steady_waited / steady_steps,
         hidden_fraction=1 - steady_waited / steady_took if steady_took > 0 else None,
         hidden_fraction_run=1 - waited / took if took > 0 else None,
-        allreduce_mb=sum(r["allreduce_mb"] for r in replicas) / per_step,
+        allreduce_mb=sum(r[f"{key}_mb"] for r in replicas) / per_step,
         peer_wait_s=None if None in peers else sum(peers) / per_step,
     )
 

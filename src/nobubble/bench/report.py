@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nobubble.bench.measure import RunResult, ring_traffic_mb
-from nobubble.bench.variants import BASELINE, TORCH, VARIANTS
+from nobubble.bench.variants import BASELINE, TORCH, VARIANTS, ZERO_SUFFIX
 from nobubble.schedules import schedule_spec
 
 Results = dict[str, list[RunResult]]  # variant -> one result per run, in repeat order
@@ -45,6 +45,7 @@ class VariantSummary:
     allreduce_mb: list[float | None] | None = None  # bucket per optimizer step and rank
     peer_wait_ms: list[float | None] | None = None  # idle on pipeline peers, per step
     steps: int = 0  # optimizer steps of a run
+    state_mb: list[float | None] | None = None  # optimizer and correction state per rank
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ def summarize(name: str, results: Results, memory: Results | None) -> VariantSum
         ],
         dp=runs[0].dp,
         steps=runs[0].steps,
+        state_mb=_per_stage(runs, lambda run, s: run.stages[s].state_mb),
         **reduced,
     )
 
@@ -244,14 +246,17 @@ def _sync_comparison(results: Results, memory: Results) -> list[Target]:
 
 
 def _allreduce_targets(results: Results, stages: int, microbatches: int) -> list[Target]:
-    """2bw hides its all-reduce behind compute: judged with M >= 2P, reported with M < 2P."""
+    """2bw hides its all-reduce (with sharded state: its update's chain of collectives) behind
+    compute: judged with M >= 2P, reported with M < 2P."""
     found = []
-    for name in ("2bw", "2bw+ef"):
-        if name not in results or results[name][0].dp == 1:
+    names = [n for n in results if n in ("2bw", "2bw+ef") or _zero_of(n, ("2bw", "2bw+ef"))]
+    for name in names:
+        if results[name][0].dp == 1:
             continue
         hidden = summarize(name, results, None).hidden or []
         measured = _percentages(hidden)
-        claim = f"{name}: all-reduce time hidden (not waited for), per stage"
+        what = "the update's collectives" if ZERO_SUFFIX in name else "all-reduce"
+        claim = f"{name}: {what} time hidden (not waited for), per stage"
         if microbatches >= 2 * stages:
             required = f"≥ {100 * HIDDEN_TARGET:.0f}% (M ≥ 2P)"
             met = all(h is not None and h >= HIDDEN_TARGET for h in hidden)
@@ -285,6 +290,61 @@ def _memory_targets(memory: Results) -> list[Target]:
     return found
 
 
+def _zero_of(name: str, plains: Sequence[str]) -> bool:
+    """Whether ``name`` is one of ``plains`` run with sharded state (``2bw+zero1``)."""
+    plain, _, level = name.rpartition(ZERO_SUFFIX)
+    return bool(level) and plain in plains
+
+
+def _state_targets(results: Results) -> list[Target]:
+    """Sharded state: each replica holds about 1/dp of what a replica of zero=0 holds."""
+    found = []
+    for name, runs in results.items():
+        plain = name.rpartition(ZERO_SUFFIX)[0]
+        if ZERO_SUFFIX not in name or plain not in results or runs[0].dp == 1:
+            continue
+        mine = _per_stage(runs, lambda run, s: run.stages[s].state_mb)
+        whole = _per_stage(results[plain], lambda run, s: run.stages[s].state_mb)
+        if None in mine or None in whole:
+            continue
+        dp = runs[0].dp
+        ratios = [m / w for m, w in zip(mine, whole, strict=True)]
+        found.append(
+            Target(
+                f"{name}: optimizer and correction state per rank, × {plain}'s, per stage",
+                " / ".join(f"{r:.3f}" for r in ratios),
+                f"≈ 1/dp = {1 / dp:.3f} (within 10%; whole matrices may weigh it more)",
+                all(r <= 1.1 / dp for r in ratios),
+            )
+        )
+    return found
+
+
+def zero_markdown(summaries: list[VariantSummary], memory_pass: bool) -> str:
+    """Sharded state against the same variant with zero=0: per stage, the state a rank holds,
+    its peak memory (the memory pass's on the CPU), throughput and the hidden fraction."""
+    where = "memory pass" if memory_pass else "timed runs"
+    lines = [
+        f"| variant | state MB/rank | peak MB/rank ({where}) | × zero=0 | tokens/s | × zero=0 "
+        "| hidden |",
+        "|---|---|---|---|---:|---:|---|",
+    ]
+    for plain in summaries:
+        levels = [s for s in summaries if s.name.rpartition(ZERO_SUFFIX)[0] == plain.name]
+        if ZERO_SUFFIX in plain.name or not levels:
+            continue
+        plain_peak = plain.tensor_mem_mb or plain.peak_mem_mb
+        for row in (plain, *levels):
+            peak = row.tensor_mem_mb or row.peak_mem_mb
+            ratio = [a / b for a, b in zip(peak, plain_peak, strict=True)]
+            lines.append(
+                f"| {row.name} | {_figures(row.state_mb, '.2f')} | {_megabytes(peak)} "
+                f"| {_figures(ratio, '.3f')} | {row.tokens_per_s:,.0f} "
+                f"| {row.tokens_per_s / plain.tokens_per_s:.3f} | {_percentages(row.hidden)} |"
+            )
+    return "\n".join(lines)
+
+
 def targets(
     results: Results,
     memory: Results | None,
@@ -301,6 +361,7 @@ def targets(
         + _sync_comparison(results, memory)
         + _allreduce_targets(results, stages, microbatches)
         + _memory_targets(memory or results)
+        + _state_targets(results)
     )
 
 

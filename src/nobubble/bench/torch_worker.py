@@ -45,6 +45,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from nobubble.checkpoint.named_state import named_state
 from nobubble.config import ConfigError, TrainConfig, parse_overrides
 from nobubble.configure import build_config
 from nobubble.device import configure_torch
@@ -213,6 +214,7 @@ class TorchStageRunner:
             idle_s=idle,
             peak_mem_mb=peak_memory_mb(self.device),
             param_mb=param_bytes / 2**20,
+            state_mb=named_state(self.optimizer).nbytes() / 2**20,
             weight_versions_peak=1,
         ).as_dict()
         if self.reduction is not None:

@@ -64,6 +64,26 @@ class NamedState:
         """Every parameter the state covers (with or without per-parameter state yet)."""
         return {name for group in self.groups for name in group.names}
 
+    def nbytes(self) -> int:
+        """The bytes of every tensor the state holds (each storage once)."""
+        storages: dict[int, int] = {}
+
+        def count(value: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            elif isinstance(value, list | tuple):
+                for item in value:
+                    count(item)
+            elif isinstance(value, dict):
+                for item in value.values():
+                    count(item)
+
+        count(self.params)
+        count(self.buffers or {})
+        count([group.hyper for group in self.groups])
+        return sum(storages.values())
+
     def select(self, names: Collection[str]) -> NamedState:
         """The part of the state that covers ``names`` (groups keep only those names)."""
         wanted = set(names)

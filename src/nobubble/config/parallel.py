@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.config.fields import FREE, LAYOUT, NON_NEGATIVE, POSITIVE, setting
+from nobubble.config.fields import FREE, LAYOUT, NON_NEGATIVE, POSITIVE, Range, setting
 
 P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.links
 DIST_BACKENDS = ("auto", "gloo", "nccl")  # nobubble.pipeline.process_group
@@ -36,6 +36,15 @@ class ParallelSettings:
         "data-parallel replicas of the pipeline (torchrun: stages x dp processes); each reads "
         "1/dp of every microbatch",
         POSITIVE,
+        resume=LAYOUT,
+    )
+    zero: int = setting(
+        0,
+        "sharded data parallelism over a stage's dp replicas (docs/pipeline.md): 0 every replica "
+        "holds the whole optimizer and correction state; 1 each holds and updates its part of "
+        "it (the gradient all-reduced, the new weights all-gathered); 2 as 1 with a "
+        "reduce-scatter, each keeping only its part of the gradient",
+        Range(0, 2, high_open=False),
         resume=LAYOUT,
     )
     stage_layers: list[int] | None = setting(
@@ -69,7 +78,7 @@ class ParallelSettings:
     )
     emulate_nccl: bool = setting(
         False,
-        "pipeline, gloo only: run the messages and all-reduces as NCCL would (tags ignored, "
+        "pipeline, gloo only: run the messages and collectives as NCCL would (tags ignored, "
         "one operation at a time per process group, in posting order), so a schedule that "
         "would hang on NCCL hangs here too and says where; the same results as without",
         resume=FREE,
@@ -77,9 +86,10 @@ class ParallelSettings:
     partition: str = setting(
         "blocks",
         "how the blocks are split over the model stages when stage_layers is not given: blocks "
-        "(the embedding and the head weigh embed_cost and head_cost blocks) or flops (each part "
-        "by its training FLOPs, resolved into stage_layers once the tokenizer is known and saved "
-        "in config.json)",
+        "(the embedding and the head weigh embed_cost and head_cost blocks; of the splits with "
+        "the same slowest stage, the one filled from the front) or flops (each part by its "
+        "training FLOPs; of those splits the most even, lighter at the front; resolved into "
+        "stage_layers once the tokenizer is known and saved in config.json)",
         choices=PARTITIONS,
         resume=LAYOUT,
     )

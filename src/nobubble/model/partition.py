@@ -8,7 +8,7 @@ it. This module is the one place that answers "which stage owns this": the split
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nobubble.config import ConfigError, TrainConfig
@@ -42,12 +42,19 @@ def partition(
     embed_cost: float = 1.0,
     head_cost: float = 1.0,
     stage_layers: list[int] | None = None,
+    even: bool = False,
 ) -> list[StageSpec]:
     """Split the blocks into ``stages`` contiguous runs.
 
     With ``stage_layers`` the runs have exactly those lengths. Otherwise the split minimizes the
     most expensive stage, where a block costs 1, the embedding ``embed_cost`` (stage 0) and the
     norm+head ``head_cost`` (last stage). Only the first and last stage may hold no block.
+    Among the splits with that slowest stage, ``even`` takes the most even one (the least sum of
+    squared stage costs), lighter at the front where several are: the first stages hold the
+    most microbatches in flight (and, under 2bw, the stash), so a full front stage is the
+    costliest place for memory. Without ``even``, the earlier rule: the stages filled from the
+    front (the split of ``partition=blocks``, which run folders and studies recorded without
+    ``stage_layers`` ran).
     """
     if stages < 1:
         raise ConfigError(f"stages must be >= 1, got {stages}")
@@ -62,6 +69,8 @@ def partition(
         counts = list(stage_layers)
     else:
         counts = _balanced_counts(n_layers, stages, embed_cost, head_cost)
+        if even:
+            counts = _even_counts(n_layers, stages, _cost(stages, embed_cost, head_cost), counts)
     for i, n in enumerate(counts):
         if n == 0 and 0 < i < stages - 1:
             raise ConfigError(
@@ -83,9 +92,7 @@ def _balanced_counts(n_layers: int, stages: int, embed: float, head: float) -> l
             "blocks (n_layers)"
         )
 
-    def cost(stage: int, n: int) -> float:
-        return n + (embed if stage == 0 else 0.0) + (head if stage == stages - 1 else 0.0)
-
+    cost = _cost(stages, embed, head)
     # best[s][k]: minimal max cost placing the first k blocks on stages 0..s
     inf = float("inf")
     best = [[inf] * (n_layers + 1) for _ in range(stages)]
@@ -107,6 +114,50 @@ def _balanced_counts(n_layers: int, stages: int, embed: float, head: float) -> l
     return counts[::-1]
 
 
+def _cost(stages: int, embed: float, head: float) -> Callable[[int, int], float]:
+    """The cost of ``n`` blocks on stage ``stage``: theirs, the embedding's, the head's."""
+
+    def cost(stage: int, n: int) -> float:
+        return n + (embed if stage == 0 else 0.0) + (head if stage == stages - 1 else 0.0)
+
+    return cost
+
+
+def _even_counts(
+    n_layers: int, stages: int, cost: Callable[[int, int], float], minmax: list[int]
+) -> list[int]:
+    """Among the splits whose slowest stage costs no more than ``minmax``'s (a min-max split),
+    the one with the least sum of squared stage costs; of those, the lightest front (the
+    fewest blocks on stage 0, then on stage 1, ...)."""
+    limit = max(cost(s, n) for s, n in enumerate(minmax))
+    tol = 1e-9 * max(1.0, limit)
+
+    def sizes(stage: int, placed: int) -> range:
+        low = 1 if 0 < stage < stages - 1 else 0
+        high = low
+        while placed + high <= n_layers and cost(stage, high) <= limit + tol:
+            high += 1
+        return range(low, high)
+
+    # least[s][k]: the least sum of squared costs of blocks k.. on stages s..
+    inf = float("inf")
+    least = [[inf] * (n_layers + 1) for _ in range(stages + 1)]
+    least[stages][n_layers] = 0.0
+    for s in range(stages - 1, -1, -1):
+        for k in range(n_layers + 1):
+            for n in sizes(s, k):
+                least[s][k] = min(least[s][k], cost(s, n) ** 2 + least[s + 1][k + n])
+    counts, placed = [], 0
+    for s in range(stages):  # the fewest blocks that still reach the least sum
+        target = least[s][placed] + tol * max(1.0, least[s][placed])
+        n = next(
+            n for n in sizes(s, placed) if cost(s, n) ** 2 + least[s + 1][placed + n] <= target
+        )
+        counts.append(n)
+        placed += n
+    return counts
+
+
 def flop_costs(mc: ModelConfig, seq_len: int) -> tuple[float, float]:
     """The embedding's and the head's training FLOPs per token, in blocks (the mean block's):
     the lookup counts none, the head 6 d V."""
@@ -122,7 +173,7 @@ def resolve_partition(cfg: TrainConfig, mc: ModelConfig) -> TrainConfig:
     if cfg.partition != "flops" or cfg.stage_layers is not None:
         return cfg
     embed, head = flop_costs(mc, cfg.seq_len)
-    specs = partition(mc.n_layers, ParallelLayout.of(cfg).model_stages, embed, head)
+    specs = partition(mc.n_layers, ParallelLayout.of(cfg).model_stages, embed, head, even=True)
     return dataclasses.replace(cfg, stage_layers=[len(spec.blocks) for spec in specs])
 
 

@@ -16,7 +16,7 @@ from nobubble.config import TrainConfig
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.muon import Muon, ns_dtype
-from nobubble.optim.param_groups import Kind, param_groups
+from nobubble.optim.param_groups import Kind, classify, param_groups
 
 Groups = list[dict[str, Any]]
 
@@ -154,6 +154,28 @@ _SETTINGS_READ: dict[str, tuple[str, ...]] = {
     "nadamw": (*_ADAM, "nadam_momentum_decay"),
     "sgd": ("momentum", "nesterov"),
 }
+
+
+# the kinds of parameter whose update needs the whole tensor: a matrix function of it or a norm
+# over it. Every other parameter the optimizer updates element by element (its state has the
+# parameter's shape, or is a scalar), so a block of its rows can be updated on its own, which
+# sharded data parallelism does (zero=1, 2: nobubble.sharding). tests/test_sharding.py holds this
+# against the optimizers: a block's update equals its rows of the whole update, or, for these
+# kinds, does not.
+_UPDATES_WHOLE: dict[str, frozenset[Kind]] = {
+    # Newton–Schulz on each hidden matrix; an expert tensor's rows are whole expert matrices,
+    # each orthogonalized on its own (ExpertMuon); the rest is AdamW
+    "muon": frozenset({Kind.HIDDEN}),
+    # eigenbases of every dimension of a matrix; 1-D tensors take Adam (precondition_1d off)
+    "soap": frozenset(Kind) - {Kind.GAIN},
+    # MARS scales each >= 2-D tensor's corrected gradient by its norm; 1-D ones take AdamW
+    "mars": frozenset({Kind.HIDDEN, Kind.EMBEDDING, Kind.EXPERT, Kind.ROUTER}),
+}
+
+
+def updates_whole(optim: str, name: str, param: torch.Tensor) -> bool:
+    """Whether optimizer ``optim`` needs all of parameter ``name`` to update any of it."""
+    return classify(name, param) in _UPDATES_WHOLE.get(optim, frozenset())
 
 
 def settings_read(optim: str, momentum: float) -> frozenset[str]:

@@ -19,9 +19,12 @@ from nobubble.model.layers import Stage
 from nobubble.model.moe import pack_routing, unpack_routing
 from nobubble.model.partition import TIED_WEIGHT, StageSpec, holds_tied_copy
 from nobubble.model.presets import ModelConfig
+from nobubble.optim.registry import updates_whole
 from nobubble.pipeline.replicas import ReplicaReduction
+from nobubble.pipeline.shards import ShardedUpdate, StageGroups
 from nobubble.pipeline.split_backward import SplitBackward
 from nobubble.schedules.registry import schedule_spec
+from nobubble.sharding import ShardPlan
 from nobubble.stage_options import apply_stage_options
 from nobubble.update import TrainedStage
 
@@ -29,7 +32,10 @@ from nobubble.update import TrainedStage
 class HeldStage:
     """Model stage ``index`` (partitioned as ``spec``) on this process. ``replicas``: the process
     group of its data-parallel replicas (None without); ``tied``: the group of the first and last
-    stages' processes (None unless the head is tied to the embedding over several stages)."""
+    stages' processes (None unless the head is tied to the embedding over several stages);
+    ``shard_groups``: with sharded state (``zero`` > 0), the groups of this model stage's
+    replicas that its update's chain and its checkpoints run over
+    (:mod:`nobubble.pipeline.shards`)."""
 
     def __init__(
         self,
@@ -42,6 +48,7 @@ class HeldStage:
         replicas: dist.ProcessGroup | None,
         tied: dist.ProcessGroup | None,
         split: bool,
+        shard_groups: StageGroups | None = None,
     ) -> None:
         self.index, self.spec, self.cfg, self.device = index, spec, cfg, device
         self.first, self.last = spec.has_embed, spec.has_head
@@ -52,7 +59,16 @@ class HeldStage:
         delay = schedule_spec(cfg.schedule).delays(layout.model_stages)[index]
         # tied embeddings split over stages: this stage's copy, summed with the other's
         self.tied_name = TIED_WEIGHT if holds_tied_copy(mc, spec) else None
-        self.trained = TrainedStage(index, params, delay, cfg, self.tied_name, self.first)
+        trainable = {n: p for n, p in params.items() if p.requires_grad}
+        plan = None
+        self.shard_groups = shard_groups
+        if shard_groups is not None:  # zero > 0: this replica updates its part
+            whole = [n for n, p in trainable.items() if updates_whole(cfg.optim, n, p)]
+            shapes = {n: tuple(p.shape) for n, p in trainable.items()}
+            plan = ShardPlan(shapes, layout.dp, layout.replica, whole, self.tied_name)
+        self.trained = TrainedStage(
+            index, params, delay, cfg, self.tied_name, self.first, shard=plan
+        )
         name = layout.name(index)
         self.reduction = (
             ReplicaReduction(replicas, layout.dp, cfg.p2p_timeout_s, name)
@@ -72,7 +88,21 @@ class HeldStage:
             else None
         )
         # the dp bucket: what an optimizer steps, but the tied copy (reduced on its own)
-        self.reduced = [p for n, p in params.items() if n != self.tied_name and p.requires_grad]
+        self.reduced = [p for n, p in trainable.items() if n != self.tied_name]
+        self.shards = (
+            ShardedUpdate(
+                shard_groups.chain,
+                plan,
+                self.trained,
+                [n for n in trainable if n != self.tied_name],
+                self.tied,
+                cfg.zero,
+                cfg.p2p_timeout_s,
+                name,
+            )
+            if plan is not None
+            else None
+        )
         self.mc, self.moe_blocks = mc, [i for i in spec.blocks if mc.is_moe(i)]
 
     def step_sums(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -82,13 +112,16 @@ class HeldStage:
         routing = pack_routing(self.module.take_routing())
         return torch.cat([first.to(self.device)] + ([] if routing is None else [routing]))
 
-    def apply_step(self, step: int, sums: torch.Tensor) -> tuple[float, bool, float]:
+    def apply_step(
+        self, step: int, sums: torch.Tensor, norms: tuple[float, float | None] | None = None
+    ) -> tuple[float, bool, float]:
         """The rest of the STEP action, once the gradient is complete (and averaged over the
         replicas, with the ``sums`` of :meth:`step_sums`): the stage's update
-        (:meth:`nobubble.update.TrainedStage.apply`) with the step's routing. Returns (gradient
-        norm, whether the update went ahead in full, learning rate)."""
+        (:meth:`nobubble.update.TrainedStage.apply`) with the step's routing; ``norms``: the
+        gradient's norms where this replica holds a part of it (sharded state). Returns
+        (gradient norm, whether the update went ahead in full, learning rate)."""
         routing = unpack_routing(sums[1:], self.moe_blocks, self.mc)
-        return self.trained.apply(step, routing, self.mc.moe_bias_rate)
+        return self.trained.apply(step, routing, self.mc.moe_bias_rate, norms)
 
     def param_mb(self) -> float:
         return sum(p.numel() * p.element_size() for p in self.trained.params.values()) / 2**20

@@ -152,15 +152,7 @@ class ReplicaReduction:
         return active().collective(self.group, launch, f"all-reduce: {what}", values.device)
 
     def _wait(self, works: list[Work], what: str) -> None:
-        try:
-            for work in works:
-                work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise PeerFailure(
-                f"{self.name} stopped waiting for {what}: one of them exited, crashed or is "
-                "stuck (its own error, in its log or above, says why); raise p2p_timeout_s if "
-                f"it is only slow. Transport said: {exc}"
-            ) from None
+        wait_for(works, self.timeout, self.name, what)
 
     def report(self, prefix: str) -> dict[str, float]:
         """The measurements of this reduction for a stage report, keys starting ``prefix``."""
@@ -171,6 +163,21 @@ class ReplicaReduction:
             f"{prefix}_last_s": self.last_s,
             f"{prefix}_last_wait_s": self.last_wait_s,
         }
+
+
+def wait_for(works: list[Work], timeout: datetime.timedelta, name: str, what: str) -> None:
+    """Wait for collectives ``works``; one that fails or takes longer than ``timeout`` is a
+    :class:`PeerFailure` saying that ``name`` (the rank that waited) stopped waiting for
+    ``what``."""
+    try:
+        for work in works:
+            work.wait(timeout)
+    except RuntimeError as exc:
+        raise PeerFailure(
+            f"{name} stopped waiting for {what}: one of them exited, crashed or is "
+            "stuck (its own error, in its log or above, says why); raise p2p_timeout_s if "
+            f"it is only slow. Transport said: {exc}"
+        ) from None
 
 
 def _recorded_event() -> torch.cuda.Event:

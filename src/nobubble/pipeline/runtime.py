@@ -59,6 +59,7 @@ from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.links import Links, resolve_links
 from nobubble.pipeline.plan import RECV_AHEAD, Plan
 from nobubble.pipeline.replicas import replica_rows
+from nobubble.pipeline.shards import stage_groups
 from nobubble.pipeline.stats import StepStatistics
 from nobubble.pipeline.transport import active
 from nobubble.pipeline.updates import Updates
@@ -90,8 +91,22 @@ class PipelineEngine:
         specs = stage_specs(cfg, mc)
         split = schedule_spec(cfg.schedule).split_backward
         tied = tied_group(layout) if mc.tie_embeddings and layout.pp > 1 else None
+        sharded = {}
+        if cfg.zero and layout.dp > 1:
+            sharded = stage_groups(layout, replicas, dist.get_backend())
         self.held = {
-            stage: HeldStage(stage, specs[stage], cfg, mc, device, layout, replicas, tied, split)
+            stage: HeldStage(
+                stage,
+                specs[stage],
+                cfg,
+                mc,
+                device,
+                layout,
+                replicas,
+                tied,
+                split,
+                sharded.get(stage),
+            )
             for stage in layout.stages
         }
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
@@ -159,6 +174,7 @@ class PipelineEngine:
                 plan.stop_at(action.step)
                 return
             run.cleared = action.step
+        run.updates.advance()
         run.updates.finish_before(action)
         run.post_receives(plan.ahead(RECV_AHEAD))
         began, blocked = time.perf_counter(), self.blocked_s()
@@ -187,6 +203,7 @@ class PipelineEngine:
         for held in self.held.values():
             blocked += held.reduction.waited_s if held.reduction else 0.0
             blocked += held.tied.waited_s if held.tied else 0.0
+            blocked += held.shards.wait_s if held.shards else 0.0
         return blocked
 
     def stage_reports(self, digests: bool = True) -> list[dict[str, Any]] | None:
@@ -199,13 +216,17 @@ class PipelineEngine:
         that holds a tied copy, on the tied all-reduce (``tied_allreduce_wait_s`` of
         ``tied_allreduce_s``); ``tied_sha256`` is the digest of its copy's newest version.
         ``allreduce_last_s`` and ``allreduce_last_wait_s`` are the run's final all-reduce alone
-        (no compute is left to hide it behind; the benchmark reports it apart).
+        (no compute is left to hide it behind; the benchmark reports it apart). With sharded
+        state (``zero`` > 0) the chain of the update replaces the all-reduce: ``zero_comm_s``,
+        ``zero_comm_wait_s``, ``zero_comm_mb`` and the last ones alike, and ``zero_owned`` names
+        the parameters this replica owns whole (:class:`nobubble.sharding.ShardPlan`).
         """
         held = list(self.held.values())
-        reductions = [h.reduction for h in held if h.reduction]
+        reductions = [h.reduction for h in held if h.reduction and not h.shards]
+        chains = [h.shards for h in held if h.shards]
         tied = [h for h in held if h.tied]
         idle = self.train_idle_s + sum(r.waited_s for r in reductions)
-        idle += sum(h.tied.waited_s for h in tied)
+        idle += sum(h.tied.waited_s for h in tied) + sum(c.wait_s for c in chains)
         action_s: dict[str, dict[str, float]] = {}
         for (stage, kind), seconds in sorted(self.action_s.items()):
             action_s.setdefault(str(stage), {})[kind.value] = seconds
@@ -218,6 +239,7 @@ class PipelineEngine:
             idle_s=idle,
             peak_mem_mb=peak_memory_mb(self.device),
             param_mb=sum(h.param_mb() for h in held),
+            state_mb=sum(h.trained.state_mb() for h in held),
             weight_versions_peak=max(h.trained.versions_peak for h in held),
             action_s=action_s,
         ).as_dict()
@@ -225,6 +247,9 @@ class PipelineEngine:
             report["weights_sha256"] = weights_digest(self.newest_weights())
         if reductions:
             report |= _summed([r.report("allreduce") for r in reductions])
+        if chains:
+            report |= _summed([c.report("zero_comm") for c in chains])
+            report["zero_owned"] = sorted(n for c in chains for n in c.plan.describe()["owned"])
         for h in tied:  # at most one: the first or the last stage
             if digests:
                 newest = h.trained.store[h.trained.store.newest]
@@ -279,9 +304,18 @@ class PipelineEngine:
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The step and the optimizer state of this process's stages by parameter name."""
-        state = NamedState.merge(held.trained.named_state() for held in self.held.values())
-        return {"step": self.step, "optimizer": state}
+        """The step and the optimizer state of this process's stages by parameter name. With
+        sharded state a collective call: replica 0 gathers the whole state from the replicas'
+        parts (the others get None), so a checkpoint is the same whatever ``zero`` and ``dp``
+        it was saved with, and loads into any."""
+        parts = []
+        for held in self.held.values():
+            state = held.trained.named_state()
+            if held.shards is not None:
+                state = held.shards.gather_state(state, held.shard_groups.state)
+            parts.append(state)
+        whole = None if None in parts else NamedState.merge(parts)
+        return {"step": self.step, "optimizer": whole}
 
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         """Continue from a checkpoint of any layout: ``tensors`` and ``state`` hold (at least)
@@ -341,7 +375,7 @@ class _Segment:
         self.losses: dict[int, torch.Tensor] = {}  # float64 sums, read once per step
         self.cleared = engine.step - 1  # the last step known to run
         self.last: Action | None = None  # the last action run
-        self.updates = Updates(engine.held, self.apply)
+        self.updates = Updates(engine.held, self.update, self.report, engine.layout.is_first_stage)
 
     def post_receives(self, actions: list[Action]) -> None:
         """Post the receives of ``actions`` (the next few to run) in steps known to run."""
@@ -473,11 +507,20 @@ class _Segment:
 
     # -- a step's end ---------------------------------------------------------------------------
 
-    def apply(self, held: HeldStage, step: int, sums: torch.Tensor) -> None:
-        """Clip, step the optimizer; once every stage of this process has, report the step's
-        statistics to the first stage (:mod:`nobubble.pipeline.stats`)."""
+    @staticmethod
+    def update(
+        held: HeldStage, step: int, sums: torch.Tensor, norms: tuple[float, float | None] | None
+    ) -> tuple[float, bool, float]:
+        """Clip, step the optimizer (:meth:`HeldStage.apply_step`)."""
+        return held.apply_step(step, sums, norms)
+
+    def report(
+        self, held: HeldStage, step: int, sums: torch.Tensor, outcome: tuple[float, bool, float]
+    ) -> None:
+        """Once every stage of this process has updated, report the step's statistics to the
+        first stage (:mod:`nobubble.pipeline.stats`)."""
         e = self.e
-        norm, ok, lr = held.apply_step(step, sums)
+        norm, ok, lr = outcome
         if not e.stats.add(held.index, step, sums, norm, ok, held.last):
             return
         e.step = step + 1

@@ -3,7 +3,10 @@ replicas; the tied weight's two copies), deferred until an action needs the vers
 
 At its STEP a stage starts the all-reduces in the background; the rest of the update (clip,
 optimizer step, statistics) waits until a compute action needs the new version or the stage's
-next STEP comes, so under 2bw the all-reduce runs behind the next step's compute.
+next STEP comes, so under 2bw the all-reduce runs behind the next step's compute. With sharded
+state (``zero`` > 0) the update is a chain of collectives (:mod:`nobubble.pipeline.shards`),
+moved on between actions as its collectives complete (:meth:`Updates.advance`), and finished
+alike where its version is needed.
 """
 
 from __future__ import annotations
@@ -15,10 +18,16 @@ import torch
 
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.replicas import PendingReduction
+from nobubble.pipeline.shards import ShardedStep
 from nobubble.profiling import label
 from nobubble.schedules import Action, ActionKind
 
-Apply = Callable[[HeldStage, int, torch.Tensor], None]  # (stage, step, its sums): the update
+# an update's outcome: (gradient norm, whether it went ahead, learning rate)
+Outcome = tuple[float, bool, float]
+# (stage, step, its sums, the gradient's norms where the stage holds a part of it) -> outcome
+Update = Callable[[HeldStage, int, torch.Tensor, tuple[float, float | None] | None], Outcome]
+# (stage, step, its sums, the outcome): the step's statistics, reported
+Report = Callable[[HeldStage, int, torch.Tensor, Outcome], None]
 
 
 @dataclass
@@ -32,26 +41,65 @@ class _PendingUpdate:
 
 
 class Updates:
-    """The updates of one segment of this process's stages (``held``, by index), applied by
-    ``apply`` once their gradients are complete."""
+    """The updates of one segment of this process's stages (``held``, by index): ``update``
+    applies one once its gradient is complete, ``report`` reports its statistics.
 
-    def __init__(self, held: Mapping[int, HeldStage], apply: Apply) -> None:
-        self.held, self.apply = held, apply
-        self.pending: dict[int, _PendingUpdate] = {}  # by stage: STEPs awaiting all-reduces
+    ``gathers_statistics``: whether this process gathers every stage's statistics (the first
+    stage), which waits for the other stages' reports: it reports a step only where it would
+    without sharded state (where the version is needed), never between two actions, which must
+    not wait for anything.
+    """
+
+    def __init__(
+        self,
+        held: Mapping[int, HeldStage],
+        update: Update,
+        report: Report,
+        gathers_statistics: bool,
+    ) -> None:
+        self.held, self.update, self.report = held, update, report
+        self.gathers_statistics = gathers_statistics
+        # by stage: STEPs awaiting all-reduces, or (sharded state) their chains
+        self.pending: dict[int, _PendingUpdate | ShardedStep] = {}
+        self.outcomes: dict[int, Outcome] = {}  # by stage: chains' updates not yet reported
 
     def start(self, held: HeldStage, step: int, sums: torch.Tensor) -> None:
         """The gradient of ``held``'s ``step`` is complete: average it over the replicas and sum
         the tied weight's with the other stage's (in the background), or apply the update now."""
         if held.reduction is None and held.tied is None:
-            self.apply(held, step, sums)
+            self.report(held, step, sums, self.update(held, step, sums, None))
             return
         # the same order of collectives on every rank: tied first (it spans both groups' ranks)
         tied_copy = [held.trained.params[held.tied_name]] if held.tied else []
         tied = held.tied.start(step, tied_copy, None) if held.tied else None
+        if held.shards is not None:
+            self.pending[held.index] = held.shards.start(step, sums, tied)
+            return
         replicas = None
         if held.reduction is not None:
             replicas = held.reduction.start(step, held.reduced, sums)
         self.pending[held.index] = _PendingUpdate(step, sums, replicas, tied)
+
+    def advance(self) -> None:
+        """Move every sharded update's chain on as far as its collectives have completed,
+        waiting for nothing (between two actions)."""
+        for stage, pending in list(self.pending.items()):
+            if not isinstance(pending, ShardedStep):
+                continue
+            if self._progress(stage, pending, block=False) and not self.gathers_statistics:
+                self._reported(stage, pending)
+
+    def _progress(self, stage: int, pending: ShardedStep, block: bool) -> bool:
+        held = self.held[stage]
+
+        def update(sums: torch.Tensor, norms: tuple[float, float | None]) -> None:
+            self.outcomes[stage] = self.update(held, pending.step, sums, norms)
+
+        return held.shards.progress(pending, update, block)
+
+    def _reported(self, stage: int, pending: ShardedStep) -> None:
+        del self.pending[stage]
+        self.report(self.held[stage], pending.step, pending.sums, self.outcomes.pop(stage))
 
     def finish_before(self, action: Action) -> None:
         """Finish pending updates before ``action`` where it needs the version they make (or is
@@ -75,11 +123,16 @@ class Updates:
             self.finish(stage)
 
     def finish(self, stage: int) -> None:
-        pending, held = self.pending.pop(stage), self.held[stage]
+        pending, held = self.pending[stage], self.held[stage]
         with label(f"STEP v{pending.step + 1} update"):
+            if isinstance(pending, ShardedStep):
+                self._progress(stage, pending, block=True)
+                self._reported(stage, pending)
+                return
+            del self.pending[stage]
             sums = pending.sums
             if pending.replicas is not None:
                 sums = held.reduction.finish(pending.replicas, held.reduced)
             if pending.tied is not None:
                 held.tied.finish(pending.tied, [held.trained.params[held.tied_name]])
-            self.apply(held, pending.step, sums)
+            self.report(held, pending.step, sums, self.update(held, pending.step, sums, None))

@@ -12,7 +12,7 @@ from nobubble.destinations import check_output_file
 from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
 from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
-from nobubble.planning.shapes import PLANNING_SHAPES
+from nobubble.planning.shapes import LLAMA3_FAMILY, PLANNING_SHAPES
 from nobubble.schedules.registry import PIPELINE_SCHEDULES
 
 
@@ -30,6 +30,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=16, help="microbatches M per step")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--chunks", type=int, default=2, help="stages per rank, interleaved-1f1b")
+    parser.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="sharded data parallelism: 1 shares the optimizer state out over the dp replicas, "
+        "2 the reduced gradient too (default: 0)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="keep each block's input only and recompute the block in the backward",
+    )
     parser.add_argument("--gpu", default="h100", choices=list(DEVICES))
     parser.add_argument("--peak-tflops", type=float, help="override the GPU's dense BF16 peak")
     parser.add_argument(
@@ -86,6 +99,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     ):  # fmt: skip
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be positive, got {value}")
+    if args.zero and args.dp == 1:
+        raise ConfigError("--zero shares the state out over data-parallel replicas; give --dp 2+")
     if args.p2p_latency_us is not None and args.p2p_latency_us < 0:
         raise ConfigError(f"--p2p-latency-us must be >= 0, got {args.p2p_latency_us}")
     model = PLANNING_SHAPES[args.preset]
@@ -106,6 +121,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         p2p=_link(LINKS[args.p2p], args.p2p_gbps, args.p2p_latency_us),
         allreduce=_link(LINKS[args.allreduce], args.allreduce_gbps, None),
         chunks=args.chunks,
+        zero=args.zero,
+        activation_checkpointing=args.activation_checkpointing,
     )
 
 
@@ -121,17 +138,30 @@ def estimates(plan: Plan) -> tuple[list[Estimate], dict[str, str]]:
     return sorted(done, key=lambda p: p.step_s), skipped
 
 
-def table(results: list[Estimate], limit_gb: float) -> str:
+def largest_fitting(plan: Plan, schedule: str, limit_gb: float) -> str:
+    """The largest of the Llama 3 shapes whose peak memory per GPU under ``schedule`` and the
+    rest of ``plan`` fits in ``limit_gb`` ("none" if not even the smallest)."""
+    fitting = "none"
+    for name in LLAMA3_FAMILY:
+        shape = dataclasses.replace(plan, model=PLANNING_SHAPES[name])
+        if shape_problem(shape, schedule) is None:
+            if estimate(shape, schedule).peak_memory_gb > limit_gb:
+                break
+            fitting = name
+    return fitting
+
+
+def table(results: list[Estimate], limit_gb: float, largest: dict[str, str]) -> str:
     lines = [
         "| schedule | step (ms) | tokens/s | bubble | all-reduce exposed (ms) "
-        "| peak memory per GPU (GB) | fits |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| peak memory per GPU (GB) | fits | largest Llama 3 that fits |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for p in results:
         lines.append(
             f"| {p.schedule} | {p.step_s * 1e3:.1f} | {p.tokens_per_s:,.0f} | {p.bubble:.1%} "
             f"| {p.exposed_allreduce_s * 1e3:.1f} | {p.peak_memory_gb:.1f} "
-            f"| {'yes' if p.peak_memory_gb <= limit_gb else 'no'} |"
+            f"| {'yes' if p.peak_memory_gb <= limit_gb else 'no'} | {largest[p.schedule]} |"
         )
     return "\n".join(lines)
 
@@ -172,17 +202,22 @@ def run(args: argparse.Namespace) -> int:
     results, skipped = estimates(plan)
     fitting = [p for p in results if p.peak_memory_gb <= limit]
     best = fitting[0].schedule if fitting else None
+    largest = {p.schedule: largest_fitting(plan, p.schedule, limit) for p in results}
     if args.json:
         print(json.dumps({
             "plan": {
                 "preset": args.preset, "stages": plan.stages, "microbatches": plan.microbatches,
                 "microbatch_size": plan.microbatch_size, "seq_len": plan.seq_len, "dp": plan.dp,
+                "zero": plan.zero, "activation_checkpointing": plan.activation_checkpointing,
                 "gpu": dataclasses.asdict(plan.device), "mfu": plan.mfu,
                 "p2p": dataclasses.asdict(plan.p2p),
                 "allreduce": dataclasses.asdict(plan.allreduce),
                 "memory_limit_gb": limit,
             },
-            "predictions": [dataclasses.asdict(p) for p in results],
+            "predictions": [
+                dataclasses.asdict(p) | {"largest_llama3_that_fits": largest[p.schedule]}
+                for p in results
+            ],
             "skipped": skipped,
             "best": best,
         }, indent=2))  # fmt: skip
@@ -191,10 +226,11 @@ def run(args: argparse.Namespace) -> int:
         f"{args.preset} on {plan.stages} x {plan.dp} {plan.device.name} (peak "
         f"{plan.device.peak_tflops:g} TFLOP/s at MFU {plan.mfu:g}), M={plan.microbatches} x "
         f"{plan.microbatch_size} x {plan.seq_len} tokens, p2p {plan.p2p.name}, dp all-reduce "
-        f"{plan.allreduce.name}"
+        f"{plan.allreduce.name}, zero={plan.zero}, activation checkpointing "
+        f"{'on' if plan.activation_checkpointing else 'off'}"
     )
     if results:
-        print(table(results, limit))
+        print(table(results, limit, largest))
     for name, why in skipped.items():
         print(f"{name}: not predicted: {why}")
     print(conclusion(plan, results, limit, best))

@@ -9,11 +9,14 @@ Memory is counted in bytes per parameter and per activation:
 
 * weights, gradients and optimizer state: mixed-precision AdamW as Megatron-LM keeps it, 2 bytes
   per BF16 weight copy (one per weight version the schedule holds), 4 for the FP32 gradient and
-  12 for the FP32 master weight and Adam's two moments;
+  12 for the FP32 master weight and Adam's two moments (the state that ``zero`` > 0 shares out
+  over the data-parallel replicas: nobubble.planning.estimate);
 * activations per block and microbatch: 34·s·b·h bytes in 16 bits (Korthikanti et al., "Reducing
   Activation Recomputation in Large Transformer Models", 2022, without recomputation, with an
   attention kernel that stores no s×s scores); the last stage also holds its logits in FP32
-  (4·s·b·V bytes);
+  (4·s·b·V bytes). With activation checkpointing a block keeps only its input, 2·s·b·h bytes,
+  and recomputes the rest in the backward (one more forward of the blocks; while one block is
+  recomputed its 34·s·b·h bytes live, once per stage: ``recompute_bytes``);
 * a message between stages is one activation (or its gradient), s·b·h 16-bit numbers.
 """
 
@@ -22,12 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nobubble.flops import block_matmul_weights
-from nobubble.model.partition import partition
+from nobubble.model.partition import flop_costs, partition
 from nobubble.model.presets import ModelConfig
 
 BYTES_PER_WEIGHT_VERSION = 2
-BYTES_STATE_PER_PARAMETER = 4 + 12  # FP32 gradient; FP32 master weight + Adam's m and v
+BYTES_GRADIENT = 4  # FP32
+BYTES_OPTIMIZER_STATE = 12  # FP32 master weight + Adam's m and v
 ACTIVATION_BYTES_PER_BLOCK_TOKEN_WIDTH = 34
+CHECKPOINTED_BYTES_PER_BLOCK_TOKEN_WIDTH = 2  # the block's input, 16 bits
 LOGIT_BYTES = 4
 MESSAGE_BYTES = 2
 
@@ -42,20 +47,27 @@ class StageCost:
     parameters: int
     activation_bytes: float  # per microbatch in flight
     message_bytes: float
+    recompute_flops: float = 0.0  # activation checkpointing: the blocks' forward, again
+    recompute_bytes: float = 0.0  # the activations of the one block being recomputed
 
 
 def stage_costs(
-    mc: ModelConfig, stages: int, seq_len: int, microbatch_size: int
+    mc: ModelConfig,
+    stages: int,
+    seq_len: int,
+    microbatch_size: int,
+    activation_checkpointing: bool = False,
 ) -> list[StageCost]:
-    """The model cut into ``stages`` stages as nobubble.model.partition cuts it. An MoE block
-    computes with its active weights (nobubble.flops) and holds all of its experts; its
-    activations are counted as those of a dense block (the routed experts' inputs and hidden
-    states, k copies of the token's, are not added)."""
+    """The model cut into ``stages`` stages as ``partition=flops`` cuts it (the embedding and
+    the head by their FLOPs, the most even of the fastest splits: nobubble.model.partition). An
+    MoE block computes with its active weights (nobubble.flops) and holds all of its experts;
+    its activations are counted as those of a dense block (the routed experts' inputs and
+    hidden states, k copies of the token's, are not added)."""
     d, dh, vocab = mc.d_model, mc.head_dim, mc.vocab_size or 0
     tokens = seq_len * microbatch_size
     attention_flops = 4 * mc.n_heads * dh * seq_len  # per token, forward
     costs = []
-    for spec in partition(mc.n_layers, stages):
+    for spec in partition(mc.n_layers, stages, *flop_costs(mc, seq_len), even=True):
         blocks = len(spec.blocks)
         matmuls = sum(2 * block_matmul_weights(mc, i) for i in spec.blocks)
         matmuls += 2 * d * vocab if spec.has_head else 0
@@ -64,8 +76,11 @@ def stage_costs(
         params += d * vocab if spec.has_embed else 0
         if spec.has_head:  # a tied head on another stage than the embedding holds its own copy
             params += d + (0 if mc.tie_embeddings and spec.has_embed else d * vocab)
-        activations = blocks * ACTIVATION_BYTES_PER_BLOCK_TOKEN_WIDTH * tokens * d
+        full = ACTIVATION_BYTES_PER_BLOCK_TOKEN_WIDTH * tokens * d  # one block's
+        kept = CHECKPOINTED_BYTES_PER_BLOCK_TOKEN_WIDTH * tokens * d
+        activations = blocks * (kept if activation_checkpointing else full)
         activations += LOGIT_BYTES * tokens * vocab if spec.has_head else 0
+        block_flops = (flops - (2 * d * vocab if spec.has_head else 0)) * tokens
         costs.append(
             StageCost(
                 blocks=blocks,
@@ -76,6 +91,8 @@ def stage_costs(
                 parameters=params,
                 activation_bytes=activations,
                 message_bytes=MESSAGE_BYTES * tokens * d,
+                recompute_flops=block_flops if activation_checkpointing else 0.0,
+                recompute_bytes=full if activation_checkpointing and blocks else 0.0,
             )
         )
     return costs

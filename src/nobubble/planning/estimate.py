@@ -1,12 +1,20 @@
 """Step time, bubble and memory per rank of every schedule, from per-action costs.
 
 The schedule simulator runs each schedule with per-stage forward/backward times (FLOPs at a
-stated MFU) and a per-message time (latency + size / bandwidth). The steady-state step is the
-makespan of three steps minus that of two, so 2bw's and pipedream's one-off fill and drain are
-left out and a flushing schedule's fill and drain are in. The data-parallel all-reduce of each
-rank's FP32 gradients (ring: 2·(dp-1)/dp of the bytes over the all-reduce bandwidth) is exposed
-after a flushing schedule's step; 2bw and pipedream overlap it with the next step's compute (as
-nobubble's runtime does), so only what outlasts the rank's compute shows.
+stated MFU; activation checkpointing adds a forward of the blocks to every backward) and a
+per-message time (latency + size / bandwidth). The steady-state step is the makespan of three
+steps minus that of two, so 2bw's and pipedream's one-off fill and drain are left out and a
+flushing schedule's fill and drain are in. The data-parallel communication of each rank
+(:func:`dp_bytes_per_parameter`: the all-reduce of its FP32 gradients, or with ``zero`` > 0 the
+reduction and the all-gather of the new BF16 weights) is exposed after a flushing schedule's
+step; 2bw and pipedream overlap it with the next step's compute (as nobubble's runtime does),
+so only what outlasts the rank's compute shows.
+
+Memory per rank (:func:`bytes_per_parameter`): the weight versions, the FP32 gradient, the
+optimizer state (divided over the ``dp`` replicas with ``zero`` > 0), and, where the reduction
+runs behind the next step's compute (2bw, pipedream with dp > 1), the reduced gradient it holds
+while the next one accumulates (with ``zero=2`` only this replica's part of it); plus the
+activations of the microbatches in flight.
 
 Up to :data:`EXACT_MICROBATCHES` microbatches (or 40·P) every one of them is simulated. Above,
 a step's simulated timeline repeats with a period of a few microbatches once it has settled
@@ -22,12 +30,16 @@ from dataclasses import dataclass
 
 from nobubble.config import ConfigError
 from nobubble.model.presets import ModelConfig
-from nobubble.planning.costs import BYTES_PER_WEIGHT_VERSION, BYTES_STATE_PER_PARAMETER, stage_costs
+from nobubble.planning.costs import (
+    BYTES_GRADIENT,
+    BYTES_OPTIMIZER_STATE,
+    BYTES_PER_WEIGHT_VERSION,
+    stage_costs,
+)
 from nobubble.planning.hardware import Device, Link
 from nobubble.schedules import SimResult, generate, lower, schedule_spec, simulate
 from nobubble.schedules.steady import Steady, steady_state
 
-GRADIENT_BYTES = 4
 # M up to which every microbatch is simulated: the larger of these. Beyond, extending three
 # shapes of about 10·P microbatches (their period found in one step of 16·P) costs less.
 EXACT_MICROBATCHES = 64
@@ -48,6 +60,8 @@ class Plan:
     p2p: Link
     allreduce: Link
     chunks: int = 2  # stages per rank of interleaved schedules
+    zero: int = 0  # sharded data parallelism: 1 the optimizer state, 2 and the gradient
+    activation_checkpointing: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -208,13 +222,43 @@ def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulate
     return third.plus(growth, (m - base) // period - 2)
 
 
+def bytes_per_parameter(plan: Plan, versions: int, behind_compute: bool) -> float:
+    """What a rank holds per parameter of its stages: ``versions`` BF16 weight copies, the FP32
+    gradient, the optimizer state (1/dp of it with zero > 0) and, where the reduction runs
+    behind the next step's compute (``behind_compute`` with dp > 1), the reduced gradient it
+    holds meanwhile (all of it; 1/dp with zero=2)."""
+    dp = plan.dp
+    held = BYTES_PER_WEIGHT_VERSION * versions + BYTES_GRADIENT
+    held += BYTES_OPTIMIZER_STATE / (dp if plan.zero else 1)
+    if behind_compute and dp > 1:
+        held += BYTES_GRADIENT / (dp if plan.zero == 2 else 1)
+    return held
+
+
+def dp_bytes_per_parameter(plan: Plan) -> float:
+    """What a rank sends (and receives) per parameter of its stages each step over the
+    data-parallel link: a ring all-reduce of the FP32 gradient, 2(dp-1)/dp of it; with zero=1
+    that and an all-gather of the new BF16 weights, (dp-1)/dp of them; with zero=2 a
+    reduce-scatter, (dp-1)/dp of the gradient, and the all-gather."""
+    share = (plan.dp - 1) / plan.dp
+    gather = share * BYTES_PER_WEIGHT_VERSION if plan.zero else 0.0
+    reduce = (1 if plan.zero == 2 else 2) * share * BYTES_GRADIENT
+    return reduce + gather
+
+
 def estimate(plan: Plan, schedule: str) -> Estimate:
     spec = schedule_spec(schedule)
     chunks = plan.chunks if spec.interleaved else 1
-    costs = stage_costs(plan.model, plan.stages * chunks, plan.seq_len, plan.microbatch_size)
+    costs = stage_costs(
+        plan.model,
+        plan.stages * chunks,
+        plan.seq_len,
+        plan.microbatch_size,
+        plan.activation_checkpointing,
+    )
     flops_per_s = plan.device.peak_tflops * 1e12 * plan.mfu
     fwd = [c.forward_flops / flops_per_s for c in costs]
-    bwd = [2 * f for f in fwd]
+    bwd = [2 * f + c.recompute_flops / flops_per_s for f, c in zip(fwd, costs, strict=True)]
     wgrad = [c.weight_flops / flops_per_s for c in costs]
     comm = plan.p2p.latency_us * 1e-6 + costs[0].message_bytes / (plan.p2p.gb_per_s * 1e9)
     simulated = _figures(plan, schedule, chunks, _Times(fwd, bwd, wgrad, comm))
@@ -223,11 +267,10 @@ def estimate(plan: Plan, schedule: str) -> Estimate:
     busy = [plan.microbatches * sum(fwd[s] + bwd[s] for s in stages) for stages in ranks]
     exposed = 0.0
     if plan.dp > 1:  # pipedream updates, and so all-reduces, after every microbatch
-        ring = 2 * (plan.dp - 1) / plan.dp
         per_step = plan.microbatches if spec.step_per_microbatch else 1
         for r, stages in enumerate(ranks):
-            grad_bytes = GRADIENT_BYTES * sum(costs[s].parameters for s in stages)
-            allreduce_s = ring * grad_bytes / (plan.allreduce.gb_per_s * 1e9)
+            dp_bytes = dp_bytes_per_parameter(plan) * sum(costs[s].parameters for s in stages)
+            allreduce_s = dp_bytes / (plan.allreduce.gb_per_s * 1e9)
             hidden = 0.0 if spec.flushes else busy[r] / per_step
             exposed = max(exposed, per_step * max(allreduce_s - hidden, 0.0))
     step_s = pipeline_s + exposed
@@ -235,14 +278,13 @@ def estimate(plan: Plan, schedule: str) -> Estimate:
     for r, stages in enumerate(ranks):
         weights = sum(
             costs[s].parameters
-            * (
-                BYTES_PER_WEIGHT_VERSION * simulated.stage_weight_versions[s]
-                + BYTES_STATE_PER_PARAMETER
-            )
+            * bytes_per_parameter(plan, simulated.stage_weight_versions[s], not spec.flushes)
             for s in stages
         )
         per_activation = sum(costs[s].activation_bytes for s in stages) / len(stages)
-        memory.append((weights + simulated.peak_activations[r] * per_activation) / 1e9)
+        recompute = max(costs[s].recompute_bytes for s in stages)
+        activations = simulated.peak_activations[r] * per_activation + recompute
+        memory.append((weights + activations) / 1e9)
     return Estimate(
         schedule=schedule,
         step_s=step_s,

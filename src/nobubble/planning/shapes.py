@@ -29,3 +29,6 @@ PLANNING_SHAPES: dict[str, ModelConfig] = {
         vocab_size=128256,
     ),
 }  # fmt: skip
+
+# A family of shapes, smallest first: the planner names the largest of them that fits a plan.
+LLAMA3_FAMILY = ("llama3-8b", "llama3-70b", "llama3-405b")

@@ -30,10 +30,11 @@ def save_checkpoint(
     run: RunFolder, engine: Engine, data: DataBundle | None, cfg: TrainConfig, elapsed: Elapsed
 ) -> None:
     """Replica 0 of every stage writes that stage's shard (the replicas of a stage hold the same
-    weights and optimizer state); the leader seals the checkpoint once all are written."""
+    weights, and the same optimizer state, or with ``zero`` > 0 parts of it that replica 0
+    gathers); the leader seals the checkpoint once all are written."""
     root, layout = run.checkpoints, engine.layout
+    state = engine.checkpoint_state()  # every replica: with sharded state, gathered on replica 0
     if layout.replica == 0:
-        state = engine.checkpoint_state()
         meta = {
             "step": engine.step,
             "data": data.train.state_dict() if data else None,

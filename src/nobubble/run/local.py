@@ -17,12 +17,14 @@ from nobubble.one_process import OneProcessEngine
 T = TypeVar("T")
 
 
-def dp_note(dp: int) -> str:
-    """What ``dp`` means in one process: nothing to split, the same run."""
+def dp_note(dp: int, zero: int = 0) -> str:
+    """What ``dp`` (and ``zero``) mean in one process: nothing to split, the same run."""
+    sharded = f" with zero={zero}" if zero else ""
     return (
-        f"nobubble: note: dp={dp} in one process: the one-process engine computes every "
-        f"microbatch whole, which is what {dp} replicas compute together (equal up to the order "
-        "of summation, docs/pipeline.md); launch stages x dp processes with torchrun to split it"
+        f"nobubble: note: dp={dp}{sharded} in one process: the one-process engine computes every "
+        f"microbatch whole and holds the whole optimizer state, which is what {dp} replicas "
+        "compute together (equal up to the order of summation, docs/pipeline.md); launch "
+        "stages x dp processes with torchrun to split it"
     )
 
 
@@ -37,7 +39,7 @@ class LocalLauncher:
         configure_torch(cfg)
         self.device = resolve_device(cfg.device)
         if cfg.dp > 1:
-            print(dp_note(cfg.dp), file=sys.stderr, flush=True)
+            print(dp_note(cfg.dp, cfg.zero), file=sys.stderr, flush=True)
 
     def from_leader(self, make: Callable[[], T]) -> T:
         return make()
