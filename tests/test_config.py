@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nobubble.config import FIELDS, ConfigError, TrainConfig, coerce, load_toml, parse_overrides
+from nobubble.config import (
+    FIELDS,
+    ConfigError,
+    TrainConfig,
+    coerce,
+    from_saved,
+    load_toml,
+    parse_overrides,
+)
 from nobubble.configure import build_config
 from nobubble.runfolder import run_name
 
@@ -169,3 +177,16 @@ def test_corrections_parse_combine_and_ef_is_an_alias():
             build_config({"correction": bad})
     with pytest.raises(ConfigError, match=r"ef and nesterov both .* \(ef=true adds ef\)"):
         chosen(TrainConfig(correction="nesterov", ef=True))
+
+
+def test_a_saved_config_without_a_key_reads_as_what_it_meant_when_saved():
+    """A key's default may change (partition: blocks, then flops); a configuration saved
+    before the key existed did what its saved_default says, and loads so; a key it holds, or
+    one whose meaning never changed, is read as saved or as the default."""
+    saved = TrainConfig().to_dict()
+    assert saved["partition"] == "flops"
+    del saved["partition"], saved["lr"]
+    loaded = from_saved(saved)
+    assert loaded["partition"] == "blocks" and loaded["lr"] == TrainConfig().lr
+    assert from_saved({**saved, "partition": "flops"})["partition"] == "flops"
+    assert build_config(loaded).partition == "blocks"

@@ -22,6 +22,8 @@ V2_RUN = Path(__file__).parent / "data" / "v2_run"
 def test_a_second_version_config_json_loads():
     cfg = build_config(saved_config(V2_RUN))
     assert (cfg.schedule, cfg.stages, cfg.chunks, cfg.ef) == ("2bw", 2, 1, True)
+    assert "partition" not in json.loads((V2_RUN / "config.json").read_text())
+    assert cfg.partition == "blocks"  # the split of that version, not today's default
 
 
 def test_a_second_version_run_continues_to_the_losses_that_version_computed(tmp_path):
@@ -32,3 +34,4 @@ def test_a_second_version_run_continues_to_the_losses_that_version_computed(tmp_
     continued = {r["step"]: r["train_loss"] for r in metrics(run) if "train_loss" in r}
     assert continued == recorded  # steps 1-2 kept, 3-4 computed again, bit for bit
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    assert json.loads((run / "config.json").read_text())["partition"] == "blocks"

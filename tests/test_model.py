@@ -6,7 +6,13 @@ import torch
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.configure import build_config
 from nobubble.model.layers import Stage, apply_rope, build_model, lm_loss, rope_tables
-from nobubble.model.partition import StageSpec, flop_costs, partition, resolve_partition
+from nobubble.model.partition import (
+    StageSpec,
+    flop_costs,
+    partition,
+    resolve_partition,
+    stage_specs,
+)
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
 
@@ -184,9 +190,9 @@ def test_even_partition_prefers_the_most_even_split_lighter_at_the_front(
     assert slowest(expected) == slowest([len(s.blocks) for s in fastest])
 
 
-def test_the_default_partition_splits_as_recorded_runs_did():
-    """partition=blocks (the default, and every run folder and study recorded without
-    stage_layers) keeps its split, stages filled from the front."""
+def test_partition_blocks_splits_as_recorded_runs_did():
+    """partition=blocks (every run folder and study recorded without a partition key or
+    stage_layers: tests/test_config.py) keeps its split, stages filled from the front."""
     assert [len(s.blocks) for s in partition(80, 16)] == [5] + [6] * 12 + [2, 1, 0]
     assert [len(s.blocks) for s in partition(4, 4)] == [1, 2, 1, 0]  # tiny on 4 stages
 
@@ -237,15 +243,33 @@ def test_flop_costs_by_hand():
     assert flop_costs(model_config(cfg, tokenizer_vocab=1000), seq_len=32) == (0.0, 1.5625)
 
 
-def test_partition_flops_resolves_into_stage_layers_and_blocks_stays_the_default():
+def test_partition_flops_resolves_into_stage_layers_and_blocks_stays_a_rule():
     settings = {**FLOPS_SHAPE, "vocab_size": 1000, "seq_len": 32, "stages": 2}
     settings |= {"schedule": "2bw", "microbatches": 2, "batch_size": 2}
-    blocks = build_config(settings)
+    blocks = build_config({**settings, "partition": "blocks"})
     mc = model_config(blocks, tokenizer_vocab=1000)
-    assert resolve_partition(blocks, mc) is blocks  # the default rule: nothing to resolve
+    assert resolve_partition(blocks, mc) is blocks  # the rule of earlier runs: nothing to resolve
     assert [len(s.blocks) for s in partition(4, 2)] == [2, 2]  # embed, head: a block each
-    flops = build_config({**settings, "partition": "flops"})
+    flops = build_config(settings)  # the default
     # stage 0: n blocks; stage 1: 4 - n blocks and the head's 1.5625: n = 3 gives max(3, 2.56)
     assert resolve_partition(flops, mc).stage_layers == [3, 1]
     given = build_config({**settings, "partition": "flops", "stage_layers": [1, 3]})
     assert resolve_partition(given, mc) is given  # an explicit split wins
+
+
+def test_the_default_partition_splits_80_blocks_on_16_stages_evenly_lighter_at_the_front():
+    """The issue's shape, Llama 3 70B on 16 stages: the default (partition=flops) takes the
+    most even of the splits with the fewest FLOPs on the slowest stage, not partition=blocks'
+    5, 6 x 12, 2, 1, 0 (the first stages, which hold the most activations, full), and a new
+    run saves that split."""
+    shape = {"d_model": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "d_ff": 28672}
+    settings = {**shape, "seq_len": 2048, "max_seq_len": 8192, "stages": 16}
+    settings |= {"schedule": "2bw", "microbatches": 16, "batch_size": 16}
+    cfg = build_config(settings)
+    mc = model_config(cfg, tokenizer_vocab=128256)
+    even = [5] * 14 + [6, 4]
+    assert cfg.partition == "flops"
+    assert [len(s.blocks) for s in stage_specs(cfg, mc)] == even
+    assert resolve_partition(cfg, mc).stage_layers == even
+    blocks = build_config({**settings, "partition": "blocks"})
+    assert [len(s.blocks) for s in stage_specs(blocks, mc)] == [5] + [6] * 12 + [2, 1, 0]

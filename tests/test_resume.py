@@ -129,6 +129,25 @@ def test_a_run_saved_before_muon_ns_dtype_continues_exactly_in_bfloat16(tmp_path
     assert json.loads(config.read_text())["muon_ns_dtype"] == "bfloat16"
 
 
+def test_a_run_saved_before_the_partition_key_continues_with_its_split(tmp_path):
+    """Such a run was split by partition=blocks (stages filled from the front, 1, 2, 1, 0 here)
+    and its config.json lacks the key; today's default (flops) splits 1, 1, 1, 1, which under
+    pipedream would move blocks to other delays. The key reads as it was meant then."""
+    settings = ["schedule=pipedream", "stages=4", "partition=blocks", "steps=6"]
+    settings += ["checkpoint_every=3"]
+    assert train(tmp_path / "full", *settings) == 0
+    assert train(tmp_path / "cut", *settings) == 0
+    cut_back_to(tmp_path / "cut", 3)
+    config = tmp_path / "cut" / "config.json"
+    saved = json.loads(config.read_text())
+    del saved["partition"]
+    assert saved["stage_layers"] is None  # the rule, not a split, as every such run saved it
+    config.write_text(json.dumps(saved))
+    assert resume(tmp_path / "cut") == 0
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+    assert json.loads(config.read_text())["partition"] == "blocks"  # pinned from now on
+
+
 def test_resume_may_extend_the_run(tmp_path):
     assert train(tmp_path / "r", "steps=4", "lr_schedule=constant") == 0
     assert resume(tmp_path / "r", "steps=6", "eval_every=2") == 0

@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -206,6 +207,41 @@ def test_folder_states(tmp_path):
     assert run.status() is Status.PARTIAL  # threads, out and progress do not change results
     (run.path / "summary.json").write_text("{}")
     assert run.status() is Status.COMPLETE
+
+
+def test_a_run_saved_before_the_partition_key_is_complete_for_a_grid_that_pins_blocks(tmp_path):
+    """Such a run was split by partition=blocks, the default then: a grid that pins blocks finds
+    it complete, one left at today's default (flops) finds another run in its folder."""
+    for partition, status in (("blocks", Status.COMPLETE), ("flops", Status.CONFLICT)):
+        spec = load_sweep(write(tmp_path, f'[base]\npartition = "{partition}"\n[grid]\nseed = [0]'))
+        (run,) = plan(spec, "", {})
+        finish(run, 2.0)
+        saved = run.config.to_dict()
+        del saved["partition"]
+        (run.path / "config.json").write_text(json.dumps(saved))
+        assert run.status() is status
+        if status is Status.CONFLICT:
+            assert "partition: folder has 'blocks', grid plans 'flops'" in run.conflict()
+        shutil.rmtree(run.path)
+
+
+def test_a_run_split_by_flops_is_complete_with_the_split_it_saved(tmp_path):
+    """partition=flops (the default) resolves into stage_layers once the run knows its
+    vocabulary: the folder holds the split, the grid plans the rule, and they are one run; an
+    explicit split in the grid is compared as given."""
+    spec = load_sweep(write(tmp_path, "[base]\nstages = 2\n[grid]\nseed = [0]"))
+    (run,) = plan(spec, "", {})
+    assert run.config.partition == "flops" and run.config.stage_layers is None
+    finish(run, 2.0)
+    (run.path / "config.json").write_text(
+        json.dumps({**run.config.to_dict(), "stage_layers": [3, 1]})
+    )
+    assert run.status() is Status.COMPLETE
+    spec = load_sweep(
+        write(tmp_path, "[base]\nstages = 2\nstage_layers = [2, 2]\n[grid]\nseed = [0]")
+    )
+    (pinned,) = plan(spec, "", {})
+    assert pinned.status() is Status.CONFLICT and "stage_layers" in pinned.conflict()
 
 
 def test_config_file_and_command(tmp_path):

@@ -29,7 +29,7 @@ from nobubble.checkpoint.files import (
     sha256,
     verify_checkpoint,
 )
-from nobubble.config import FIELDS, ConfigError, TrainConfig
+from nobubble.config import FIELDS, ConfigError, TrainConfig, from_saved
 from nobubble.config.fields import FREE
 from nobubble.config.fields import LAYOUT as LAYOUT_CHANGE
 from nobubble.configure import build_config
@@ -60,10 +60,11 @@ class RunFinished(Exception):
 
 
 def saved_config(run_dir: Path) -> dict:
+    """The settings ``run_dir``'s config.json saved, a key it lacks as it was meant then."""
     path = run_dir / "config.json"
     if not path.exists():
         raise ConfigError(f"{run_dir} is not a nobubble run folder (it has no config.json)")
-    return read_json_object(path, CONFIG_FIX)
+    return from_saved(read_json_object(path, CONFIG_FIX))
 
 
 CONFIG_FIX = (
@@ -91,9 +92,21 @@ def resumed_config(run_dir: Path, *layers: dict) -> TrainConfig:
                 "(to branch a run, copy its folder and resume the copy)"
             )
     saved = saved_train_config(run_dir)
-    cfg = build_config(saved.to_dict(), *layers, {"out": str(run_dir)})
+    cfg = _continued_config(saved, layers, {"out": str(run_dir)})
     check_compatible(saved, cfg, run_dir)
     return cfg
+
+
+def _continued_config(saved: TrainConfig, layers: tuple[dict, ...], out: dict) -> TrainConfig:
+    """``saved`` with ``layers`` applied. The split ``partition=flops`` resolved (saved as
+    ``stage_layers``) is one for the run's number of model stages: where the layers give
+    another number and no split of their own, the rule splits the model again for the new
+    layout, as it would a new run's (whether the delays allow it is checked after)."""
+    if saved.partition == "flops" and not any("stage_layers" in layer for layer in layers):
+        by_rule = build_config({**saved.to_dict(), "stage_layers": None}, *layers, out)
+        if ParallelLayout.of(by_rule).model_stages != len(saved.stage_layers or []):
+            return by_rule
+    return build_config(saved.to_dict(), *layers, out)
 
 
 def check_compatible(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
@@ -120,7 +133,10 @@ def _layout_changes(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
 
 def unit_stages(cfg: TrainConfig) -> dict[str, int]:
     """The stage of every part of the model (the embedding, each block, the head) under ``cfg``."""
-    mc = model_config(cfg, tokenizer_vocab=1)  # the split does not depend on the vocabulary
+    # the vocabulary only weighs the head in a split partition=flops has still to make (a new
+    # number of model stages: _continued_config); only pipedream's delays differ by stage, and
+    # it refuses a new number of stages whatever the split (the table in docs/reliability.md)
+    mc = model_config(cfg, tokenizer_vocab=1)
     owner: dict[str, int] = {}
     for spec in stage_specs(cfg, mc):
         if spec.has_embed:
@@ -291,7 +307,7 @@ def reopen(cfg: TrainConfig, path: Path) -> Resumption:
         )
     check_format(checkpoint, manifest)
     # config.json may already name a layout that no checkpoint was saved in yet
-    at_checkpoint = build_config(read_meta(checkpoint)["config"])
+    at_checkpoint = build_config(from_saved(read_meta(checkpoint)["config"]))
     run = RunFolder(path)
     check_replaceable(run.summary_path)
     metrics = metrics_up_to(run, step)

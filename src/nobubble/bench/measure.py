@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import TrainConfig
+from nobubble.config import TrainConfig, from_saved
 from nobubble.configure import build_config
 from nobubble.schedules import generate, lower, simulate
 from nobubble.schedules.timing import SimResult, split_rank_times
@@ -241,7 +241,7 @@ def read_run(run_dir: Path, skip_tokens: int, like: Sequence[dict] | None = None
     """The figures of one finished run; its first ``skip_tokens`` tokens count as warm-up.
     ``like``: the per-process reports of a run of ours in the same order, whose measured action
     times stand in where this run has none (see :func:`measured_costs`)."""
-    cfg = build_config(json.loads((run_dir / "config.json").read_text()))
+    cfg = build_config(from_saved(json.loads((run_dir / "config.json").read_text())))
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reports = [read_stage_report(report) for report in summary["stages"]]

@@ -8,6 +8,7 @@ from nobubble.config.logging import chosen_loggers
 from nobubble.config.parse import (
     base_type,
     coerce,
+    from_saved,
     load_toml,
     merge_layers,
     parse_overrides,
@@ -29,6 +30,7 @@ __all__ = [
     "chosen_loggers",
     "coerce",
     "correction_names",
+    "from_saved",
     "load_toml",
     "merge_layers",
     "parse_overrides",

@@ -58,6 +58,9 @@ DECAY = Range(0, 1)  # [0, 1): a decay of 1 never forgets (and Adam divides by 1
 # where every parameter keeps its gradient delay (nobubble.resume).
 KEEP, FREE, LAYOUT = "keep", "free", "layout"
 
+# ``saved_default`` not given: a saved configuration without the key meant the default.
+_THE_DEFAULT: Any = object()
+
 
 def setting(
     default: Any,
@@ -67,17 +70,23 @@ def setting(
     choices: tuple[str, ...] | None = None,
     registry: str | None = None,
     resume: str = KEEP,
+    saved_default: Any = _THE_DEFAULT,
 ) -> Any:
     """A config field. Every numeric field gives ``range``; a field of fixed words gives its
     ``choices``; a field that names a registry's entry gives the registry's name (``preset``,
     ``optim``, ``schedule``, ``correction``), checked above the configuration; ``resume`` says
-    whether a continued run may change it (:data:`KEEP`, :data:`FREE`, :data:`LAYOUT`)."""
+    whether a continued run may change it (:data:`KEEP`, :data:`FREE`, :data:`LAYOUT`).
+    ``saved_default``: what a saved configuration without this key meant (the versions before
+    the key existed did what this value does), where that is not ``default``: a default may
+    change, a run saved before it had the key still loads as the run it was
+    (:func:`nobubble.config.parse.from_saved`)."""
     metadata = {
         "help": help,
         "range": range,
         "choices": choices,
         "registry": registry,
         "resume": resume,
+        "saved_default": default if saved_default is _THE_DEFAULT else saved_default,
     }
     return field(default=default, metadata=metadata)
 

@@ -84,14 +84,16 @@ class ParallelSettings:
         resume=FREE,
     )
     partition: str = setting(
-        "blocks",
-        "how the blocks are split over the model stages when stage_layers is not given: blocks "
-        "(the embedding and the head weigh embed_cost and head_cost blocks; of the splits with "
-        "the same slowest stage, the one filled from the front) or flops (each part by its "
-        "training FLOPs; of those splits the most even, lighter at the front; resolved into "
-        "stage_layers once the tokenizer is known and saved in config.json)",
+        "flops",
+        "how the blocks are split over the model stages when stage_layers is not given: flops "
+        "(each part by its training FLOPs; of the splits with the same slowest stage the most "
+        "even, lighter at the front; resolved into stage_layers once the tokenizer is known and "
+        "saved in config.json) or blocks (the embedding and the head weigh embed_cost and "
+        "head_cost blocks; of those splits the one filled from the front, as every run saved "
+        "without this key was split)",
         choices=PARTITIONS,
         resume=LAYOUT,
+        saved_default="blocks",
     )
     embed_cost: float = setting(
         1.0, "partition weight of the embedding, in blocks", NON_NEGATIVE, resume=LAYOUT

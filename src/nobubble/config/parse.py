@@ -9,7 +9,7 @@ from __future__ import annotations
 import tomllib
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,17 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         else:
             flat[key] = value
     return {key.replace("-", "_"): coerce(key.replace("-", "_"), v) for key, v in flat.items()}
+
+
+def from_saved(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A configuration saved by any version (a run folder's config.json, a checkpoint's
+    meta.json) with every key it lacks set to what it meant when it was saved: the field's
+    ``saved_default`` (config/fields.py), so a changed default never changes an earlier run.
+    The one reading of a saved configuration: resuming, the sweep and the report all call it."""
+    return {
+        **{key: f.metadata["saved_default"] for key, f in FIELDS.items() if key not in saved},
+        **saved,
+    }
 
 
 def merge_layers(*layers: dict[str, Any]) -> TrainConfig:

@@ -41,7 +41,7 @@ from nobubble.checkpoint.files import (
     read_meta,
     verify_checkpoint,
 )
-from nobubble.config import ConfigError
+from nobubble.config import ConfigError, from_saved
 from nobubble.configure import build_config
 from nobubble.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from nobubble.files import write_json_atomic
@@ -85,7 +85,7 @@ def export_hf(
     saved_config(run_dir)  # a clear error if run_dir is no run folder
     checkpoint = find_checkpoint(run_dir, step)
     meta = read_meta(checkpoint)
-    cfg = build_config(meta.get("config") or saved_config(run_dir))
+    cfg = build_config(from_saved(meta.get("config") or saved_config(run_dir)))
     if meta.get("tokenizer_sha256") not in (None, tokenizer_digest(run_dir)):
         raise CheckpointError(
             f"{run_dir / TOKENIZER_FILE} is not the tokenizer {checkpoint.name} was trained with; "

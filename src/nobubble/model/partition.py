@@ -170,17 +170,23 @@ def resolve_partition(cfg: TrainConfig, mc: ModelConfig) -> TrainConfig:
     ``mc`` (its vocabulary known): the blocks split so the most expensive model stage has the
     fewest FLOPs, the embedding and the head weighed by theirs. Saved in config.json, so a
     resumed run, the report and every process read the split, not the rule."""
-    if cfg.partition != "flops" or cfg.stage_layers is not None:
+    if not split_by_flops(cfg):
         return cfg
-    embed, head = flop_costs(mc, cfg.seq_len)
-    specs = partition(mc.n_layers, ParallelLayout.of(cfg).model_stages, embed, head, even=True)
-    return dataclasses.replace(cfg, stage_layers=[len(spec.blocks) for spec in specs])
+    return dataclasses.replace(cfg, stage_layers=[len(s.blocks) for s in stage_specs(cfg, mc)])
+
+
+def split_by_flops(cfg: TrainConfig) -> bool:
+    """Whether ``cfg``'s split is the rule of ``partition=flops``, not yet resolved into
+    ``stage_layers`` (which a run saves once it knows its vocabulary)."""
+    return cfg.partition == "flops" and cfg.stage_layers is None
 
 
 def stage_specs(cfg: TrainConfig, mc: ModelConfig) -> list[StageSpec]:
     """The model stages of ``cfg`` (``stages`` x chunks of them) for the model ``mc``: the one
     call every backend, check and tool makes to learn the split."""
     stages = ParallelLayout.of(cfg).model_stages
+    if split_by_flops(cfg):
+        return partition(mc.n_layers, stages, *flop_costs(mc, cfg.seq_len), even=True)
     return partition(mc.n_layers, stages, cfg.embed_cost, cfg.head_cost, cfg.stage_layers)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import FIELDS, ConfigError, coerce
+from nobubble.config import FIELDS, ConfigError, coerce, from_saved
 from nobubble.downstream.scores import Column, Score, latest_scores
 from nobubble.files import read_json_lines, read_json_object
 from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
@@ -45,14 +45,12 @@ class ReportError(ConfigError):
 
 
 def result_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """Every setting that can change a run's result; keys missing from an older config.json take
-    their current default, so adding a config key does not make old runs look different, and
-    ``chunks`` left to the schedule (``null``, as earlier versions saved it) is the schedule's."""
-    settings = {
-        key: config.get(key, field.default)
-        for key, field in FIELDS.items()
-        if key not in NON_RESULT_KEYS
-    }
+    """Every setting that can change a run's result; keys missing from an older config.json mean
+    what they meant when it was saved (:func:`nobubble.config.from_saved`), so adding a config
+    key or changing a default does not make old runs look different, and ``chunks`` left to the
+    schedule (``null``, as earlier versions saved it) is the schedule's."""
+    saved = from_saved(config)
+    settings = {key: saved[key] for key in FIELDS if key not in NON_RESULT_KEYS}
     if settings["chunks"] is None and settings["schedule"] in SCHEDULES:
         settings["chunks"] = SCHEDULES[settings["schedule"]].default_chunks
     return settings

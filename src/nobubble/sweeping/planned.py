@@ -1,7 +1,9 @@
 """A planned run: its full config, its folder, and the state that folder is in.
 
 A run is complete when its folder holds a config.json with the same result settings as planned
-(folder, threads and progress bar aside) and a summary.json saying it finished; diverged when the
+(folder, threads and progress bar aside; a key the folder's config.json lacks means what it
+meant when the run was saved, and a split planned by ``partition=flops`` is the one the run
+resolved and saved) and a summary.json saying it finished; diverged when the
 summary says the non-finite policy stopped it: done, like a complete run, with an infinite loss.
 Otherwise (no summary, or one of a run stopped by a signal or an error) it is half-done:
 continued from its newest valid checkpoint, or, with none to continue from, moved aside and run
@@ -21,6 +23,7 @@ from typing import Any
 
 from nobubble.config import TrainConfig
 from nobubble.files import DamagedFile, read_json_object
+from nobubble.model.partition import split_by_flops
 from nobubble.reporting.runs import final_loss, result_settings
 from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
 
@@ -86,6 +89,8 @@ class PlannedRun:
         except DamagedFile as exc:
             return str(exc)
         planned = result_settings(self.config.to_dict())
+        if split_by_flops(self.config):  # the run saved the split the rule gave it
+            planned["stage_layers"] = stored["stage_layers"]
         diffs = [
             f"{k}: folder has {stored[k]!r}, grid plans {planned[k]!r}"
             for k in planned
