@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import re
 import shutil
 import tomllib
@@ -11,6 +12,7 @@ import pytest
 
 from nobubble.cli import main
 from nobubble.configure import build_config
+from nobubble.folder_lock import hold
 from nobubble.reporting import cli as report
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError
@@ -203,3 +205,24 @@ def test_a_runs_status_comes_from_why_its_summary_says_it_stopped(tmp_path, summ
     if summary is not None:
         (planned.path / "summary.json").write_text(json.dumps(summary))
     assert planned.status() is status
+
+
+def test_a_second_sweep_over_a_folder_in_use_is_refused_and_touches_nothing(tmp_path, capsys):
+    """Two sweeps over one folder would each set aside the other's run in progress as a
+    half-done one: while one holds the output root, another is refused in one line."""
+    grid = tmp_path / "one.toml"
+    grid.write_text(TOY_GRID.replace('schedule = ["sync", "2bw"]', 'schedule = ["sync"]'))
+    out = tmp_path / "runs"
+    out.mkdir()
+    running = hold(out / sweep.LOCK_FILE, "the first sweep", "")  # what a running sweep holds
+    assert main(["sweep", "--config", str(grid), "--out", str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        f"nobubble: error: the sweep's output root {out} is in use by another process "
+        f"(pid {os.getpid()}): another `nobubble sweep` is running over it; wait for it to "
+        "finish or stop it (a sweep started again later skips every run that finished)"
+    )
+    assert [p.name for p in out.iterdir()] == [sweep.LOCK_FILE]  # nothing planned or trained
+    running.close()  # the first sweep ends: the folder is free
+    assert call(sweep, "--config", str(grid), "--out", str(out)) == 0
+    assert (out / "schedule=sync" / "summary.json").is_file()

@@ -13,8 +13,10 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from nobubble.destinations import make_output_folder
+from nobubble.folder_lock import hold
 from nobubble.sweeping.best import Pending
 from nobubble.sweeping.grid import Phase, Sweep, SweepError, load_sweep
 from nobubble.sweeping.launch import run_all
@@ -85,6 +87,9 @@ def _check_conflicts(runs: Sequence[PlannedRun], statuses: Sequence[Status]) -> 
         )
 
 
+LOCK_FILE = ".sweep.lock"  # in the output root, beside the phase folders
+
+
 class SweepRun:
     """One invocation of ``nobubble sweep``: plans phase by phase and runs what is not done."""
 
@@ -99,6 +104,7 @@ class SweepRun:
         self.planned: dict[str, list[PlannedRun]] = {}
         self.failed_paths: set[Path] = set()
         self.tally = Tally()
+        self.lock: IO[str] | None = None  # held from the first write to the process's end
 
     def loss_of(self, run: PlannedRun) -> float | None:
         return finished_loss(run, self.failed_paths)
@@ -107,6 +113,14 @@ class SweepRun:
         check_sweep(self.sweep)
         if not self.args.dry_run:
             make_output_folder(self.sweep.out, "output root")
+            # Two sweeps over one folder would each take the other's run in progress for a
+            # half-done one and set it aside; the lock is released when this process ends.
+            self.lock = hold(
+                Path(self.sweep.out) / LOCK_FILE,
+                f"the sweep's output root {self.sweep.out}",
+                "another `nobubble sweep` is running over it; wait for it to finish or stop it "
+                "(a sweep started again later skips every run that finished)",
+            )
         needed = needed_phases(self.sweep, self.selected)
         print(f"sweep {self.sweep.name}: runs in {self.sweep.out}, logs in its _sweep folder")
         for phase in needed:

@@ -1,0 +1,35 @@
+"""One writer at a time: an advisory lock (``flock``) on a file in a folder nobubble works in,
+held for as long as the process keeps the returned file open, and released by the kernel when
+the process ends however it ends (no stale lock after a crash or a kill)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import IO
+
+from nobubble.config import ConfigError
+
+
+class FolderBusy(ConfigError):
+    """Another process holds the lock."""
+
+
+def hold(lock_file: Path, what: str, fix: str) -> IO[str]:
+    """Take the lock on ``lock_file`` (created if need be) without waiting, or raise
+    :class:`FolderBusy` naming ``what``, the holder's pid and ``fix``. Keep the returned file
+    open while working; closing it (or exiting) releases the lock."""
+    handle = open(lock_file, "a+")  # noqa: SIM115 (the lock lives as long as the file is open)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise FolderBusy(f"{what} is in use by another process (pid {holder}): {fix}") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
