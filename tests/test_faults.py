@@ -351,3 +351,50 @@ def test_tied_embeddings_under_pipedream_are_refused_up_front(tmp_path):
     assert result.returncode != 0
     assert "different versions of it; set tie_embeddings=false" in result.stderr
     assert not (tmp_path / "r").exists()
+
+
+def _peak_left_out_after_training(_: int, port: int, results) -> None:
+    """A one-process pipeline trains 2 steps, then 400 MB are touched and freed (what a
+    checkpoint's gather can cost): (the stage report's peak, the process's peak), MB."""
+    import torch
+
+    from nobubble.config import parse_overrides
+    from nobubble.configure import build_config
+    from nobubble.engine import peak_memory_mb
+    from nobubble.layout import ParallelLayout
+    from nobubble.model.resolve import model_config
+    from nobubble.pipeline import process_group
+    from nobubble.pipeline.runtime import PipelineEngine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    process_group.open_process_group("gloo", torch.device("cpu"), 0, 1, 120.0)
+    cfg = build_config(parse_overrides(SMALL), {"schedule": "1f1b", "microbatches": 2})
+    engine = PipelineEngine(
+        cfg, model_config(cfg, 64), torch.device("cpu"), 1, ParallelLayout(pp=1, rank=0)
+    )
+    tokens = torch.randint(0, 64, (cfg.batch_size, cfg.seq_len + 1))
+    engine.run_steps(2, lambda: tokens, lambda stats: None)
+    after_training = torch.ones(100 * 2**20)  # 400 MB, every page written
+    del after_training
+    (report,) = engine.stage_reports(digests=False)
+    results.put((report["peak_mem_mb"], peak_memory_mb(torch.device("cpu"))))
+    process_group.close_process_group()
+
+
+def test_a_stage_reports_the_peak_of_its_training_not_of_what_came_after():
+    """The stage report's peak memory is the high-water mark at the end of the latest training
+    segment: the final checkpoint, saved after it (under zero, replica 0 gathers the whole
+    state), does not count as training's (the bench's memory pass reads it)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        _peak_left_out_after_training, args=(port, results), nprocs=1, start_method="spawn"
+    )
+    reported, process = results.get()
+    assert 0 < reported < process - 300, (reported, process)

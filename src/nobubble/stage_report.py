@@ -33,7 +33,7 @@ class StageReport:
     blocks: int  # transformer blocks the process holds
     train_wall_s: float
     idle_s: float | None
-    peak_mem_mb: float
+    peak_mem_mb: float  # the high-water mark at the end of its latest training segment
     param_mb: float  # one copy of its weights
     state_mb: float  # the optimizer's and the correction's state it holds
     weight_versions_peak: int

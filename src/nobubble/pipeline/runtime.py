@@ -123,6 +123,9 @@ class PipelineEngine:
         )
         self.step = 0
         self.train_wall_s = self.train_idle_s = 0.0
+        # the peak memory at the end of the latest training segment: a checkpoint saved after it
+        # (replica 0 gathers a sharded state whole) is not training's
+        self.train_peak_mb = 0.0
         # per (model stage, action kind): time spent running its actions, blocked time left out
         self.action_s: dict[tuple[int, ActionKind], float] = {}
 
@@ -162,6 +165,7 @@ class PipelineEngine:
             raise
         self.train_wall_s += time.perf_counter() - started
         self.train_idle_s += self.messenger.waited_s - waited
+        self.train_peak_mb = peak_memory_mb(self.device)
 
     def _run(
         self, run: _Segment, plan: Plan, action: Action, should_stop: Callable[[], bool]
@@ -237,7 +241,7 @@ class PipelineEngine:
             blocks=sum(len(h.spec.blocks) for h in held),
             train_wall_s=self.train_wall_s,
             idle_s=idle,
-            peak_mem_mb=peak_memory_mb(self.device),
+            peak_mem_mb=self.train_peak_mb,
             param_mb=sum(h.param_mb() for h in held),
             state_mb=sum(h.trained.state_mb() for h in held),
             weight_versions_peak=max(h.trained.versions_peak for h in held),
