@@ -156,13 +156,24 @@ class ReplicaReduction:
 
     def report(self, prefix: str) -> dict[str, float]:
         """The measurements of this reduction for a stage report, keys starting ``prefix``."""
-        return {
-            f"{prefix}_s": self.duration_s,
-            f"{prefix}_wait_s": self.waited_s,
-            f"{prefix}_mb": self.bytes / 2**20,
-            f"{prefix}_last_s": self.last_s,
-            f"{prefix}_last_wait_s": self.last_wait_s,
-        }
+        return comm_report(
+            prefix, self.duration_s, self.waited_s, self.bytes, self.last_s, self.last_wait_s
+        )
+
+
+def comm_report(
+    prefix: str, total_s: float, wait_s: float, nbytes: int, last_s: float, last_wait_s: float
+) -> dict[str, float]:
+    """A stage report's entries for collectives run over the steps, keys starting ``prefix``:
+    their time (start to completion) and the time waited for them, summed; the bytes this rank
+    put in (MB); the latest step's time and wait."""
+    return {
+        f"{prefix}_s": total_s,
+        f"{prefix}_wait_s": wait_s,
+        f"{prefix}_mb": nbytes / 2**20,
+        f"{prefix}_last_s": last_s,
+        f"{prefix}_last_wait_s": last_wait_s,
+    }
 
 
 def wait_for(works: list[Work], timeout: datetime.timedelta, name: str, what: str) -> None:

@@ -56,7 +56,12 @@ import torch.distributed as dist
 
 from nobubble.checkpoint.named_state import NamedState
 from nobubble.layout import ParallelLayout
-from nobubble.pipeline.replicas import PendingReduction, ReplicaReduction, wait_for
+from nobubble.pipeline.replicas import (
+    PendingReduction,
+    ReplicaReduction,
+    comm_report,
+    wait_for,
+)
 from nobubble.pipeline.transport import Launch, Work, active
 from nobubble.profiling import label
 from nobubble.sharding import ShardPlan, state_to
@@ -302,13 +307,9 @@ class ShardedUpdate:
 
     def report(self, prefix: str) -> dict[str, float]:
         """The chains' measurements for a stage report, keys starting ``prefix``."""
-        return {
-            f"{prefix}_s": self.comm_s,
-            f"{prefix}_wait_s": self.wait_s,
-            f"{prefix}_mb": self.bytes / 2**20,
-            f"{prefix}_last_s": self.last_s,
-            f"{prefix}_last_wait_s": self.last_wait_s,
-        }
+        return comm_report(
+            prefix, self.comm_s, self.wait_s, self.bytes, self.last_s, self.last_wait_s
+        )
 
 
 @dataclass(frozen=True)
