@@ -5,6 +5,7 @@ import os
 import shutil
 import signal
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -112,18 +113,26 @@ def test_resume_refuses_changes_that_make_another_run(tmp_path, capsys):
         assert "Traceback" not in err
 
 
-def test_a_run_saved_before_muon_ns_dtype_continues_exactly_in_bfloat16(tmp_path):
-    """Such a run orthogonalized in bfloat16 (torch's Muon) and its config.json lacks the key,
-    which reads as auto (float32 on a CPU). muon_ns_dtype may change on resume, so the run
-    continues as it was trained."""
-    settings = ["optim=muon", "muon_ns_dtype=bfloat16", "steps=6", "checkpoint_every=3"]
+def cut_run_saved_without(tmp_path, settings: list[str], key: str) -> tuple[Path, dict]:
+    """Train ``full`` and ``cut`` with ``settings`` (6 steps, a checkpoint at 3), take ``cut``
+    back to step 3 and drop ``key`` from its config.json, as a version before ``key`` saved it:
+    (that config.json, what it now holds)."""
     assert train(tmp_path / "full", *settings) == 0
     assert train(tmp_path / "cut", *settings) == 0
     cut_back_to(tmp_path / "cut", 3)
     config = tmp_path / "cut" / "config.json"
     saved = json.loads(config.read_text())
-    del saved["muon_ns_dtype"]
+    del saved[key]
     config.write_text(json.dumps(saved))
+    return config, saved
+
+
+def test_a_run_saved_before_muon_ns_dtype_continues_exactly_in_bfloat16(tmp_path):
+    """Such a run orthogonalized in bfloat16 (torch's Muon) and its config.json lacks the key,
+    which reads as auto (float32 on a CPU). muon_ns_dtype may change on resume, so the run
+    continues as it was trained."""
+    settings = ["optim=muon", "muon_ns_dtype=bfloat16", "steps=6", "checkpoint_every=3"]
+    config, _ = cut_run_saved_without(tmp_path, settings, "muon_ns_dtype")
     assert resume(tmp_path / "cut", "muon_ns_dtype=bfloat16") == 0
     assert_same_run(tmp_path / "full", tmp_path / "cut")
     assert json.loads(config.read_text())["muon_ns_dtype"] == "bfloat16"
@@ -135,14 +144,8 @@ def test_a_run_saved_before_the_partition_key_continues_with_its_split(tmp_path)
     pipedream would move blocks to other delays. The key reads as it was meant then."""
     settings = ["schedule=pipedream", "stages=4", "partition=blocks", "steps=6"]
     settings += ["checkpoint_every=3"]
-    assert train(tmp_path / "full", *settings) == 0
-    assert train(tmp_path / "cut", *settings) == 0
-    cut_back_to(tmp_path / "cut", 3)
-    config = tmp_path / "cut" / "config.json"
-    saved = json.loads(config.read_text())
-    del saved["partition"]
+    config, saved = cut_run_saved_without(tmp_path, settings, "partition")
     assert saved["stage_layers"] is None  # the rule, not a split, as every such run saved it
-    config.write_text(json.dumps(saved))
     assert resume(tmp_path / "cut") == 0
     assert_same_run(tmp_path / "full", tmp_path / "cut")
     assert json.loads(config.read_text())["partition"] == "blocks"  # pinned from now on
