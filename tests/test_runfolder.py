@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from nobubble.cli import main
+from nobubble.folder_lock import FolderBusy, hold_folder
+from nobubble.run import setup
 from tests.pipeline_helpers import SMALL, snapshot
 
 
@@ -235,3 +237,69 @@ def test_leftovers_of_killed_commands_are_cleaned_up_or_reported(tmp_path, how):
         and f"rm -r {foreign_setup}" in warned[0]
     )
     assert f"{half_deleted} holds a run of r" in warned[1] and f"rm -r {half_deleted}" in warned[1]
+
+
+HOLDER = (
+    "import sys\n"
+    "from pathlib import Path\n"
+    "from nobubble.folder_lock import hold_folder\n"
+    "hold_folder(Path(sys.argv[1]), 'it', 'wait')\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_run_folder_in_use_by_another_process_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """Two processes training into one folder (two --auto-resume jobs, an --overwrite of a run in
+    progress) would interleave their checkpoints and metrics: the second is refused, in one line,
+    before it reads or changes anything; once the first has ended, the folder is free."""
+    run = tmp_path / "r"
+    assert train(run, "steps=2") == 0
+    before = snapshot(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for second in (
+            lambda: train(run, "steps=3", "--auto-resume"),
+            lambda: train(run, "steps=3", "--overwrite"),
+            lambda: main(["train", "--no-progress", "--resume", str(run), "steps=3"]),
+        ):
+            assert second() == 2
+            line = one_clear_line(capsys)
+            assert f"run folder {run} is in use by another process" in line, line
+        assert snapshot(tmp_path) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["train", "--no-progress", "--resume", str(run), "steps=3"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.parametrize("how", ["new", "--overwrite", "--resume"])
+def test_the_run_folder_stays_locked_while_it_trains(tmp_path, monkeypatch, how):
+    """The lock is on the folder itself: a new run's setup folder is locked and renamed into
+    place, so the run folder is held from its setup to its last step, whichever way it opened."""
+    run = tmp_path / "r"
+    if how != "new":
+        assert train(run, "steps=2") == 0
+    trained = setup.run_training
+    seen = []
+
+    def training_while_held(cfg, mc, folder, *rest):
+        with pytest.raises(FolderBusy):
+            os.close(hold_folder(run, "it", "wait"))
+        seen.append(folder.path)
+        return trained(cfg, mc, folder, *rest)
+
+    monkeypatch.setattr(setup, "run_training", training_while_held)
+    if how == "--resume":
+        assert main(["train", "--no-progress", "--resume", str(run), "steps=3"]) == 0
+    else:
+        assert train(run, "steps=3", *([how] if how != "new" else [])) == 0
+    assert seen == [run]
+    os.close(hold_folder(run, "it", "wait"))  # released at the end

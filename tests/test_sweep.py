@@ -12,11 +12,12 @@ import pytest
 
 from nobubble.cli import main
 from nobubble.configure import build_config
-from nobubble.folder_lock import hold
+from nobubble.folder_lock import hold, hold_folder
 from nobubble.reporting import cli as report
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError
 from nobubble.sweeping.planned import PlannedRun, Status
+from tests.pipeline_helpers import snapshot
 
 TOY_GRID = """
 [sweep]
@@ -182,6 +183,39 @@ def test_a_half_done_run_that_cannot_continue_is_moved_aside_never_deleted(tmp_p
     )
     assert last_line(text) == tally(done=1, skipped=0)
     assert (run / "summary.json").is_file() and not (run / "notes.txt").exists()
+
+
+def test_a_run_folder_in_use_is_never_set_aside(tmp_path, capsys):
+    """A run that has just started has no checkpoint yet and looks half-done: while a process
+    trains in it (one a stopped sweep left running), the sweep leaves it where it is and says
+    why; once that process has ended, the sweep sets it aside and trains the run again."""
+    grid = tmp_path / "one.toml"
+    grid.write_text(TOY_GRID.replace('schedule = ["sync", "2bw"]', 'schedule = ["sync"]'))
+    out = tmp_path / "runs"
+    run = out / "schedule=sync"
+    base = tomllib.loads(TOY_GRID)["base"]  # the run as the sweep would train it, in-process
+    settings = [f"{key}={value}" for key, value in base.items()]
+    assert main(["train", "--no-progress", "--out", str(run), *settings, "schedule=sync"]) == 0
+    (run / "summary.json").unlink()  # as it is while it trains, before its first checkpoint
+    shutil.rmtree(run / "checkpoints")
+    capsys.readouterr()
+    before = snapshot(run)
+    training = hold_folder(run, "a training run", "")
+    try:
+        assert call(sweep, "--config", str(grid), "--out", str(out)) == 1
+        text = capsys.readouterr().out
+        assert (
+            f"FAILED schedule=sync: schedule=sync's run folder {run} is in use by another "
+            "process: a `nobubble train` is training in it" in text
+        )
+        assert last_line(text) == tally(done=0, skipped=0, failed=1)
+        assert snapshot(run) == before
+        assert not (out / "_sweep" / "set-aside").exists()
+    finally:
+        os.close(training)
+    assert call(sweep, "--config", str(grid), "--out", str(out)) == 0
+    assert "set aside schedule=sync: it has no checkpoint" in capsys.readouterr().out
+    assert (run / "summary.json").is_file()
 
 
 @pytest.mark.parametrize(

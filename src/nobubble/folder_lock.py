@@ -1,6 +1,6 @@
-"""One writer at a time: an advisory lock (``flock``) on a file in a folder nobubble works in,
-held for as long as the process keeps the returned file open, and released by the kernel when
-the process ends however it ends (no stale lock after a crash or a kill)."""
+"""One writer at a time: an advisory lock (``flock``) on a file in a folder nobubble works in, or
+on the folder itself, held for as long as the process keeps it open, and released by the kernel
+when the process ends however it ends (no stale lock after a crash or a kill)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,17 @@ def hold(lock_file: Path, what: str, fix: str) -> IO[str]:
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+
+
+def hold_folder(folder: Path, what: str, fix: str) -> int:
+    """Take the lock on the folder ``folder`` itself without waiting, or raise
+    :class:`FolderBusy` naming ``what`` and ``fix``; return the descriptor that holds it (close
+    it to release). It leaves no file behind, and the lock follows the folder when it is renamed.
+    """
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FolderBusy(f"{what} is in use by another process: {fix}") from None
+    return fd

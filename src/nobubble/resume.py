@@ -14,6 +14,7 @@ here ever deletes a run it was asked to continue.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import warnings
@@ -37,7 +38,15 @@ from nobubble.files import DamagedFile, read_json_lines, read_json_object, write
 from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
 from nobubble.model.resolve import model_config
-from nobubble.runfolder import NewRun, RunFolder, holds_files, run_path, tidy_leftovers
+from nobubble.runfolder import (
+    NewRun,
+    RunFolder,
+    hold_run_folder,
+    holds_files,
+    run_path,
+    target_of,
+    tidy_leftovers,
+)
 from nobubble.schedules.registry import schedule_spec
 from nobubble.tracking import require_loggers
 
@@ -325,11 +334,16 @@ def reopen(cfg: TrainConfig, path: Path) -> Resumption:
 
 def open_run(
     cfg: TrainConfig,
+    held: contextlib.ExitStack,
     overwrite: bool = False,
     resume: bool = False,
     auto_resume: bool = False,
 ) -> NewRun | Resumption:
     """Check up front and prepare the run to train, changing no file of an existing run.
+
+    The run folder (an existing one, and the setup folder that becomes the new one) is locked
+    until ``held`` closes: a second process opening the same folder (two ``--auto-resume`` jobs,
+    an ``--overwrite`` of a run in progress) is refused before it reads or changes anything.
 
     ``resume``: continue the run in ``cfg.out`` (it must have a valid checkpoint). ``auto_resume``:
     the same if that folder holds anything, else start a new run there. Raises
@@ -345,6 +359,14 @@ def open_run(
             "every run gets a new one)"
         )
     path = Path(os.path.abspath(run_path(cfg)))
+    if target_of(path).is_dir():
+        hold_run_folder(target_of(path), held, path)
     if resume or (auto_resume and holds_files(path)):
         return reopen(cfg, path)
-    return NewRun(cfg, path, overwrite)
+    setup = NewRun(cfg, path, overwrite)
+    try:
+        hold_run_folder(setup.work, held, path)  # renamed into place, it stays locked
+    except BaseException:
+        setup.discard()
+        raise
+    return setup

@@ -26,6 +26,7 @@ from typing import Any
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.corrections.registry import chosen
 from nobubble.files import DamagedFile, read_json_object, write_json_atomic
+from nobubble.folder_lock import hold_folder
 
 # Why a run stopped, as summary.json records it under "stopped".
 FINISHED = "finished"  # it trained all its steps
@@ -132,6 +133,18 @@ def target_of(path: Path) -> Path:
     run given ``--out LINK`` goes where the link points and the link stays."""
     full = Path(os.path.abspath(path))
     return Path(os.path.realpath(full)) if full.is_symlink() else full
+
+
+def hold_run_folder(folder: Path, held: contextlib.ExitStack, shown: Path) -> None:
+    """Lock ``folder`` (the run folder ``shown``, or the setup folder that becomes it) until
+    ``held`` closes, or raise :class:`nobubble.folder_lock.FolderBusy`."""
+    fd = hold_folder(
+        folder,
+        f"run folder {shown}",
+        "another `nobubble train` is training in it or setting it up; wait for it to end (or "
+        "stop it: it saves a checkpoint), or choose another --out",
+    )
+    held.callback(os.close, fd)
 
 
 class NewRun:

@@ -8,6 +8,7 @@ process is ready to train (a failed setup leaves it as it was).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -59,10 +60,21 @@ def train_with(
     auto_resume: bool = False,
 ) -> Path:
     """Set the run up on every process of ``launcher``, train it to the end; return its folder."""
-    auto_resume = auto_resume or launcher.restarted
+    with contextlib.ExitStack() as held:  # the leader locks the run folder until the end
+        return _train(launcher, cfg, held, overwrite, resume, auto_resume or launcher.restarted)
+
+
+def _train(
+    launcher: Launcher,
+    cfg: TrainConfig,
+    held: contextlib.ExitStack,
+    overwrite: bool,
+    resume: bool,
+    auto_resume: bool,
+) -> Path:
     setup = None
     try:  # the leader opens the run (a new one in its setup folder); every process sets up
-        setup = launcher.from_leader(lambda: open_run(cfg, overwrite, resume, auto_resume))
+        setup = launcher.from_leader(lambda: open_run(cfg, held, overwrite, resume, auto_resume))
         data, vocab, val_batches = launcher.build_data(cfg, setup.work)
         mc = model_config(cfg, vocab)
         cfg = setup.cfg = resolve_partition(cfg, mc)  # partition=flops: the split, saved

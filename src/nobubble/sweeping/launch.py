@@ -27,6 +27,7 @@ import tomli_w
 
 from nobubble.checkpoint.files import checkpoint_folders, checkpoint_step
 from nobubble.files import DamagedFile
+from nobubble.folder_lock import FolderBusy, hold_folder
 from nobubble.reporting.runs import final_loss
 from nobubble.resume import latest_valid_checkpoint
 from nobubble.runfolder import FINISHED, holds_files, stop_of
@@ -100,11 +101,22 @@ def set_aside(run: PlannedRun, logs: Path) -> Path:
 
 def make_room(run: PlannedRun, logs: Path) -> str | None:
     """Move a half-done run that cannot be continued out of the way (never deleting anything);
-    a line saying so, or None if there was nothing to move. OSError if it cannot be moved."""
+    a line saying so, or None if there was nothing to move. OSError if it cannot be moved,
+    :class:`FolderBusy` if a process is training in it (a run without a checkpoint yet looks
+    half-done)."""
     why = cannot_continue(run)
     if why is None:
         return None
-    dest = set_aside(run, logs)
+    fd = hold_folder(
+        run.path,
+        f"{run.label}'s run folder {run.path}",
+        "a `nobubble train` is training in it (one an earlier, stopped sweep left running?); "
+        "stop it or let it finish, then run the sweep again",
+    )
+    try:
+        dest = set_aside(run, logs)
+    finally:
+        os.close(fd)
     return (
         f"set aside {run.label}: {why}, so it cannot be continued; moved to {dest} (delete it "
         "once you no longer need it), training it again"
@@ -195,8 +207,9 @@ def run_all(
                 index = len(runs) - len(queue)
                 try:
                     note = make_room(run, logs_dir(run))
-                except OSError as exc:
-                    outcome = Outcome(run, False, 0.0, _cannot_move(run, exc))
+                except (OSError, FolderBusy) as exc:
+                    why = str(exc) if isinstance(exc, FolderBusy) else _cannot_move(run, exc)
+                    outcome = Outcome(run, False, 0.0, why)
                     outcomes.append(outcome)
                     say(f"FAILED {run.label}: {outcome.detail}")
                     continue
