@@ -72,6 +72,8 @@ report gamma_all "EF's gamma per optimizer: AdamW 1.5-3, Muon 1.25-2" \
 report longer_round2 "1,200 steps: EF at its best gamma, the best lowered momentum" \
     "$RUNS/longer" "$RUNS/longer_best" "$RUNS/longer_gamma" "$RUNS/longer_momentum_adamw" \
     "$RUNS/longer_momentum_muon"
+report lr_comp "The learning-rate view: the delayed run at a smaller learning rate, alone and with EF" \
+    "$RUNS/main" "$RUNS/gamma_all" "$RUNS/lr_comp" --where optim=adamw,muon --vs lr
 report staleness "Weight drift and gradient cosine of every correction under 2bw (seed 0)" \
     "$RUNS/staleness"
 report others "The other five optimizers: controls, EF's gamma, their momentum lowered" \
