@@ -65,15 +65,18 @@ report controls "Each correction under sync (its control) beside its 2bw run" \
     "$RUNS/main" "$RUNS/corrections" "$RUNS/ef_gamma" "$RUNS/ef_strong" "$RUNS/controls" \
     --where optim=adamw,muon
 report momentum_comp "The momentum view: AdamW's beta1 and Muon's momentum lowered, alone and with EF" \
-    "$RUNS/main" "$RUNS/momentum_comp" --where optim=adamw,muon \
-    --vs beta1 momentum
+    "$RUNS/main" "$RUNS/gamma_all" "$RUNS/momentum_comp" --where optim=adamw,muon \
+    --vs beta1 momentum --reference beta1=0.9 --reference momentum=0.95
 report gamma_all "EF's gamma per optimizer: AdamW 1.5-3, Muon 1.25-2" \
     "$RUNS/main" "$RUNS/gamma_all" --where optim=adamw,muon --vs ef_gamma
 report longer_round2 "1,200 steps: EF at its best gamma, the best lowered momentum" \
     "$RUNS/longer" "$RUNS/longer_best" "$RUNS/longer_gamma" "$RUNS/longer_momentum_adamw" \
     "$RUNS/longer_momentum_muon"
-report lr_comp "The learning-rate view: the delayed run at a smaller learning rate, alone and with EF" \
-    "$RUNS/main" "$RUNS/gamma_all" "$RUNS/lr_comp" --where optim=adamw,muon --vs lr
+for optim_lr in adamw=0.003 muon=0.01; do  # each optimizer's learning rate tuned under sync
+    report "lr_comp_${optim_lr%=*}" "The learning-rate view (${optim_lr%=*}): the delayed run at a smaller learning rate, alone and with EF" \
+        "$RUNS/main" "$RUNS/gamma_all" "$RUNS/lr_comp" --where "optim=${optim_lr%=*}" --vs lr \
+        --reference "lr=${optim_lr#*=}"
+done
 report staleness "Weight drift and gradient cosine of every correction under 2bw (seed 0)" \
     "$RUNS/staleness"
 report others "The other five optimizers: controls, EF's gamma, their momentum lowered" \

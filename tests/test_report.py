@@ -391,6 +391,38 @@ def test_each_correction_against_its_control_without_a_delay(tmp_path, capsys):
     assert "| 63% |" in text.split("## Corrections")[0]  # the gap closed mixes the two
 
 
+def test_delayed_groups_against_the_references_at_the_default_settings(tmp_path):
+    """At beta1 0.9 (the reference): sync 2.0, 2bw 2.4. At beta1 0.8: sync 1.9, 2bw 2.3 and
+    2bw+EF 2.1. Against sync at its own beta1 2bw+EF closes 50%; against the references, 2.1 is
+    +0.1 above sync at 0.9, 75% of the 0.4 gap closed, and plain 2bw at 0.8 closes 25%. A group
+    at the reference values, and one whose reference sync is missing (lr 1e-2), get no row."""
+    make_run(tmp_path, 2.0, schedule="sync")
+    make_run(tmp_path, 2.4, schedule="2bw")
+    make_run(tmp_path, 2.2, schedule="2bw", ef=True)
+    make_run(tmp_path, 1.9, schedule="sync", beta1=0.8)
+    make_run(tmp_path, 2.3, schedule="2bw", beta1=0.8)
+    make_run(tmp_path, 2.1, schedule="2bw", ef=True, ef_gamma=2.0, beta1=0.8)
+    make_run(tmp_path, 2.3, schedule="2bw", beta1=0.8, lr=1e-2)
+    out = tmp_path / "out"
+    assert call(str(tmp_path), "--out", str(out), "--reference", "beta1=0.9") == 0
+    text = (out / "report.md").read_text()
+    assert "| 50% |" in text.split("## Against")[0]
+    table = text.split("## Against the references at beta1=0.9")[1].split("\n\n")[1]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()[2:]]
+    assert [row[1:3] for row in rows] == [["2bw", "ef_gamma=1.0"], ["2bw+EF", "ef_gamma=2.0"]]
+    assert [row[4:] for row in rows] == [
+        ["2.3000", "2.0000", "+0.3000", "+0.4000", "25%"],
+        ["2.1000", "2.0000", "+0.1000", "+0.4000", "75%"],
+    ]
+    none = tmp_path / "none"
+    assert call(str(tmp_path), "--out", str(none), "--reference", "beta1=0.5") == 0
+    assert "No delayed group differs" in (none / "report.md").read_text()
+    with pytest.raises(ReportError, match="one value per setting"):
+        call(str(tmp_path), "--reference", "beta1=0.9,0.8")
+    with pytest.raises(ConfigError, match="unknown config key 'beta9'"):
+        call(str(tmp_path), "--reference", "beta9=0.9")
+
+
 def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
     """Mean drift of a group: over each run's evaluations after the first, of the mean over the
     stages with a delay (None: the last stage of pipedream)."""

@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from nobubble.config import FIELDS, unknown_key_error
 from nobubble.destinations import make_output_folder
@@ -20,6 +21,7 @@ from nobubble.reporting.groups import (
     CLEAR_GAP_SE,
     Comparison,
     Group,
+    against_references,
     compare,
     controls,
     group_runs,
@@ -31,6 +33,7 @@ from nobubble.reporting.table import (
     drift_gap_correlation,
     gap_during_training_table,
     quality_table,
+    references_table,
     reverse_table,
     staleness_table,
     target_table,
@@ -82,6 +85,14 @@ between the delayed gradient and the fresh one on the same batch, every `stalene
 (one-process engine), averaged over a run's measurements (docs/corrections.md, "Staleness you \
 can see")."""
 
+REFERENCES_NOTE = """Each delayed group whose settings differ from the reference values beside \
+the synchronous and the plain delayed groups (no correction) at the reference values and \
+otherwise its settings: *gap vs it*: its final loss minus the reference sync's (± the standard \
+error of the difference); *gap closed*: (reference delayed gap − gap vs it) / reference delayed \
+gap, the share of the gap a run at the reference values would have had that the changed \
+settings (and its corrections) close. The *gap closed* of the table above compares with sync at \
+the group's own values instead."""
+
 REVERSE_HEADING = "### The reverse: the baseline's time to each delayed run's final loss"
 
 NO_BASELINE = "No group has a synchronous baseline with the same settings to take a target from."
@@ -119,6 +130,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add a table of the training time each run needs to reach its synchronous "
         "baseline's final validation loss (meaningful for runs timed alone, e.g. under torchrun)",
     )
+    parser.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="(repeatable) also set each delayed group whose KEY differs from VALUE against the "
+        "sync and plain delayed groups at VALUE, e.g. --reference beta1=0.9: how much of the "
+        "delay gap at the default does lowering beta1 close",
+    )
     parser.add_argument("--title", default="Report", help="heading of report.md")
 
 
@@ -149,6 +169,7 @@ def render(
     target: str | None,
     figures: Sequence[tuple[str, str]],
     warnings: Sequence[str],
+    reference: dict[str, Any] | None = None,
 ) -> str:
     runs = sum(len(r.group.runs) for r in rows)
     diverged = sum(r.group.diverged for r in rows)
@@ -165,6 +186,17 @@ def render(
     gaps = gap_during_training_table(rows)
     if gaps is not None:
         parts += ["## Delay gap during training", gaps, GAP_NOTE]
+    if reference:
+        values = ", ".join(f"{k}={v}" for k, v in reference.items())
+        parts.append(f"## Against the references at {values}")
+        referenced = against_references(rows, reference)
+        if referenced:
+            parts += [references_table(referenced), REFERENCES_NOTE]
+        else:
+            parts.append(
+                "No delayed group differs from these values with both references (sync and "
+                "the plain delayed group at them) among the runs."
+            )
     found = controls(rows)
     if found:
         parts += ["## Corrections against their controls without a delay", controls_table(found)]
@@ -188,11 +220,29 @@ def render(
     return "\n\n".join(parts) + "\n"
 
 
+def parse_reference(texts: Sequence[str]) -> dict[str, Any]:
+    """``--reference KEY=VALUE`` options as settings (one value per key)."""
+    reference: dict[str, Any] = {}
+    for text in texts:
+        key, values = parse_filter(text)
+        if key not in FIELDS:
+            raise unknown_key_error(key)
+        if len(values) != 1 or key in reference:
+            raise ReportError(
+                f"--reference takes one value per setting, got {text!r}"
+                + (f" after {key}={reference[key]}" if key in reference else "")
+                + " (e.g. --reference beta1=0.9)"
+            )
+        reference[key] = values[0]
+    return reference
+
+
 def run(args: argparse.Namespace) -> int:
     for key in args.vs:
         if key not in FIELDS:
             raise unknown_key_error(key)
     filters = [parse_filter(text) for text in args.where]
+    reference = parse_reference(args.reference)
     runs, warnings = discover([Path(p) for p in args.runs])
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
@@ -213,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     out = make_output_folder(args.out, "--out")
     figures = draw_plots(groups, args.vs, out)
     downstream = downstream_table(rows)
-    text = render(args.title, args.runs, rows, downstream, target, figures, warnings)
+    text = render(args.title, args.runs, rows, downstream, target, figures, warnings, reference)
     (out / "report.md").write_text(text)
     print(quality_table(rows))
     if downstream is not None:

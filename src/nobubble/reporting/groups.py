@@ -316,31 +316,82 @@ def controls(rows: Sequence[Comparison]) -> list[Control]:
             continue
         same = group.corrections  # however they were spelled (ef=true or correction=ef)
         spelling = (*PARALLEL_KEYS, "correction", "ef")
-        control = _find(rows, group, lambda g, same=same: g.corrections == same, spelling)
-        plain = _find(rows, group, lambda g: not g.corrections, CORRECTION_KEYS, synchronous=False)
+        settings = group.settings
+        control = _find(rows, settings, lambda g, same=same: g.corrections == same, spelling)
+        plain = _find(rows, settings, lambda g: not g.corrections, CORRECTION_KEYS, delayed=True)
         gaps = [r.gap for r in (row, control, plain) if r is not None]
         if len(gaps) == 3 and all(g is not None and math.isfinite(g) for g in gaps):
             found.append(Control(row, control, plain))
     return found
 
 
+@dataclass(frozen=True)
+class Referenced:
+    """A delayed group whose settings differ from reference values (an optimizer's default
+    momentum, the learning rate tuned without a delay) set against the synchronous and the
+    plain delayed groups at the reference values: how much of the delay gap a user would
+    otherwise have had does the change close?"""
+
+    row: Comparison  # the delayed group
+    sync: Comparison  # the synchronous group at the reference values
+    plain: Comparison  # the delayed group at the reference values, without a correction
+
+    @property
+    def gap(self) -> float:
+        """The group's final loss minus the reference synchronous group's."""
+        return self.row.group.loss.mean - self.sync.group.loss.mean
+
+    @property
+    def gap_se(self) -> float:
+        return math.hypot(self.row.group.loss.sem, self.sync.group.loss.sem)
+
+    @property
+    def closed(self) -> float | None:
+        """The share of the reference delayed group's gap closed (None if it has no clear gap)."""
+        if self.plain.gap is None or not self.plain.gap_is_clear:
+            return None
+        return (self.plain.gap - self.gap) / self.plain.gap
+
+
+def against_references(rows: Sequence[Comparison], reference: dict[str, Any]) -> list[Referenced]:
+    """Each delayed group with a setting of ``reference`` away from its value, beside the
+    synchronous and the plain delayed groups that have every value of ``reference`` and
+    otherwise its settings (corrections aside), all with finite losses."""
+    found = []
+    for row in rows:
+        settings = row.group.settings
+        moved = {k: v for k, v in reference.items() if settings.get(k, v) != v}
+        if settings["schedule"] in SYNCHRONOUS_SCHEDULES or not moved:
+            continue
+        at_reference = {**settings, **moved}
+        sync = _find(rows, at_reference, lambda g: g.is_baseline, PIPELINE_KEYS)
+        plain = _find(rows, at_reference, lambda g: not g.corrections, CORRECTION_KEYS, True)
+        if sync is None or plain is None or plain.gap is None:
+            continue
+        losses = (row.group.loss.mean, sync.group.loss.mean, plain.gap)
+        if all(math.isfinite(x) for x in losses):
+            found.append(Referenced(row, sync, plain))
+    return found
+
+
 def _find(
     rows: Sequence[Comparison],
-    group: Group,
+    settings: dict[str, Any],
     wanted: Callable[[Group], bool],
     keys: Sequence[str],
-    synchronous: bool = True,
+    delayed: bool = False,
 ) -> Comparison | None:
-    """The row whose group matches ``group`` but for ``keys``, passes ``wanted``, and runs a
-    synchronous schedule (or the same one as ``group``)."""
+    """The row whose group has ``settings`` but for ``keys``, passes ``wanted``, and runs a
+    synchronous schedule (``delayed``: the schedule of ``settings``)."""
+    key = {k: v for k, v in settings.items() if k not in keys}
     for row in rows:
         other = row.group
         same_schedule = (
-            other.settings["schedule"] in SYNCHRONOUS_SCHEDULES
-            if synchronous
-            else other.settings["schedule"] == group.settings["schedule"]
+            other.settings["schedule"] == settings["schedule"]
+            if delayed
+            else other.settings["schedule"] in SYNCHRONOUS_SCHEDULES
         )
-        if same_schedule and wanted(other) and other.without(*keys) == group.without(*keys):
+        if same_schedule and wanted(other) and other.without(*keys) == key:
             return row
     return None
 

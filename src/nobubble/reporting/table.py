@@ -12,6 +12,7 @@ from nobubble.reporting.groups import (
     Comparison,
     Control,
     Group,
+    Referenced,
     Stat,
     rank_correlation,
     varied_keys,
@@ -235,6 +236,33 @@ def drift_gap_correlation(rows: Sequence[Comparison]) -> tuple[float, int] | Non
     ]
     rho = rank_correlation(pairs)
     return None if rho is None else (rho, len(pairs))
+
+
+def references_table(found: Sequence[Referenced]) -> str:
+    """Each delayed group against the reference synchronous and delayed groups."""
+    keys = varied_keys([r.row.group for r in found], exclude=COLUMN_KEYS)
+    header = [
+        *_who_header(keys),
+        "seeds",
+        "val loss",
+        "reference sync",
+        "gap vs it",
+        "reference delayed gap",
+        "gap closed",
+    ]
+    body = [
+        [
+            *_who(r.row.group, keys),
+            str(len(r.row.group.runs)),
+            fmt_final(r.row.group),
+            fmt_stat(r.sync.group.loss),
+            f"{r.gap:+.4f} ± {r.gap_se:.4f}" if r.gap_se else f"{r.gap:+.4f}",
+            fmt_gap(r.plain),
+            "—" if r.closed is None else f"{100 * r.closed:.0f}%",
+        ]
+        for r in found
+    ]
+    return markdown_table(header, body)
 
 
 def controls_table(found: Sequence[Control]) -> str | None:
