@@ -72,6 +72,9 @@ report gamma_all "EF's gamma per optimizer: AdamW 1.5-3, Muon 1.25-2" \
 report longer_round2 "1,200 steps: EF at its best gamma, the best lowered momentum" \
     "$RUNS/longer" "$RUNS/longer_best" "$RUNS/longer_gamma" "$RUNS/longer_momentum_adamw" \
     "$RUNS/longer_momentum_muon"
+report momentum_up "AdamW's beta1 raised to 0.95 under EF (gamma 2 and 3)" \
+    "$RUNS/main" "$RUNS/gamma_all" "$RUNS/momentum_up" --where optim=adamw --vs beta1 \
+    --reference beta1=0.9
 for optim_lr in adamw=0.003 muon=0.01; do  # each optimizer's learning rate tuned under sync
     report "lr_comp_${optim_lr%=*}" "The learning-rate view (${optim_lr%=*}): the delayed run at a smaller learning rate, alone and with EF" \
         "$RUNS/main" "$RUNS/gamma_all" "$RUNS/lr_comp" --where "optim=${optim_lr%=*}" --vs lr \
