@@ -63,8 +63,16 @@ def fmt_gap(row: Comparison) -> str:
         return "—"
     if not math.isfinite(row.gap):
         return "diverged" if row.group.diverged else "baseline diverged"
-    se = f" ± {row.gap_se:.4f}" if row.gap_se else ""
-    return f"{row.gap:+.4f}{se}"
+    return fmt_difference(row.gap, row.gap_se)
+
+
+def fmt_difference(value: float, se: float | None) -> str:
+    """A difference of means, ± its standard error where there is one."""
+    return f"{value:+.4f} ± {se:.4f}" if se else f"{value:+.4f}"
+
+
+def fmt_share(share: float | None) -> str:
+    return "—" if share is None else f"{100 * share:.0f}%"
 
 
 def fmt_closed(row: Comparison) -> str:
@@ -256,9 +264,9 @@ def references_table(found: Sequence[Referenced]) -> str:
             str(len(r.row.group.runs)),
             fmt_final(r.row.group),
             fmt_stat(r.sync.group.loss),
-            f"{r.gap:+.4f} ± {r.gap_se:.4f}" if r.gap_se else f"{r.gap:+.4f}",
+            fmt_difference(r.gap, r.gap_se),
             fmt_gap(r.plain),
-            "—" if r.closed is None else f"{100 * r.closed:.0f}%",
+            fmt_share(r.closed),
         ]
         for r in found
     ]
@@ -288,7 +296,7 @@ def controls_table(found: Sequence[Control]) -> str | None:
             fmt_gap(c.row),
             f"{c.delay_cost:+.4f}",
             fmt_gap(c.plain),
-            "—" if c.removed is None else f"{100 * c.removed:.0f}%",
+            fmt_share(c.removed),
         ]
         for c in found
     ]
