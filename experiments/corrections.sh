@@ -69,9 +69,9 @@ report momentum_comp "The momentum view: AdamW's beta1 and Muon's momentum lower
     --vs beta1 momentum --reference beta1=0.9 --reference momentum=0.95
 report gamma_all "EF's gamma per optimizer: AdamW 1.5-3, Muon 1.25-2" \
     "$RUNS/main" "$RUNS/gamma_all" --where optim=adamw,muon --vs ef_gamma
-report longer_round2 "1,200 steps: EF at its best gamma, the best lowered momentum" \
-    "$RUNS/longer" "$RUNS/longer_best" "$RUNS/longer_gamma" "$RUNS/longer_momentum_adamw" \
-    "$RUNS/longer_momentum_muon"
+report longer_round2 "1,200 steps: EF at its best gamma; Muon at momentum 0.9 with EF, beside sync and 2bw at 0.9" \
+    "$RUNS/longer" "$RUNS/longer_best" "$RUNS/longer_gamma" "$RUNS/longer_momentum_muon" \
+    --where optim=adamw,muon --vs ef_gamma momentum --reference momentum=0.95
 report momentum_up "AdamW's beta1 raised to 0.95 under EF (gamma 2 and 3)" \
     "$RUNS/main" "$RUNS/gamma_all" "$RUNS/momentum_up" --where optim=adamw --vs beta1 \
     --reference beta1=0.9
