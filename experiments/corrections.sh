@@ -2,7 +2,7 @@
 # Issues 13 and 28's experiment (experiments/corrections.toml): the sweep, a check of its main
 # phase against paper_cpu's, the reports (docs/results/corrections/<part>/) and the run records.
 #
-#   experiments/corrections.sh                   # everything (542 runs; docs/experiments.md)
+#   experiments/corrections.sh                   # everything (563 runs; docs/experiments.md)
 #   experiments/corrections.sh --phase controls --phase momentum_comp   # round two, in parts
 #   experiments/corrections.sh --phase main      # extra arguments go to `nobubble sweep`
 #   JOBS=1 experiments/corrections.sh            # runs at a time (default 2)
