@@ -12,6 +12,7 @@ torch.distributed, or gloo run as NCCL would under ``emulate_nccl``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass
@@ -64,10 +65,12 @@ class Messenger:
     Peers are named by their stage in this rank's pipeline replica (or in the replica given); the
     layout maps them to ranks, ``links`` to the process group that carries each message.
 
-    A send's tensor must stay alive until the send completes, and gloo reports completion only
-    through ``wait()``; so at most ``SEND_WINDOW`` sends stay outstanding and beyond that the
-    oldest is waited for (its receiver takes messages in the order they were sent, and a window
-    this deep is far older than any message a peer could still be waiting for first).
+    A send's tensor must stay alive until the send completes. A send that reports its completion
+    (NCCL's do, from the GPU) is let go at the next send, so it holds no memory after it is
+    received; gloo reports one only through ``wait()``, so there at most ``SEND_WINDOW`` sends
+    stay outstanding and beyond that the oldest is waited for (its receiver takes messages in
+    the order they were sent, and a window this deep is far older than any message a peer could
+    still be waiting for first).
     """
 
     def __init__(self, layout: ParallelLayout, timeout_s: float, links: Links) -> None:
@@ -94,6 +97,7 @@ class Messenger:
         number = tag(channel, sequence, chunk, self.layout.chunks)
         group = self.links.group(channel, peer, self._replica(replica))
         what = f"send {message_name(channel, sequence)} to {self.layout.name(peer, replica)}"
+        self._let_go_of_completed_sends()
         self.sends.append((self.transport.send(tensor, rank, group, number, what), tensor))
         if len(self.sends) > SEND_WINDOW:
             self._wait_sends(self.sends[:-SEND_WINDOW])
@@ -173,10 +177,21 @@ class Messenger:
         self._wait_sends(self.sends)
         self.sends.clear()
 
-    def _wait_sends(self, sends: list[tuple[Work, torch.Tensor]]) -> None:
+    def _let_go_of_completed_sends(self) -> None:
+        """Drop the sends that have completed (their ``wait()`` returns at once, and raises a
+        transport's error as any wait would)."""
+        completed: list[tuple[Work, torch.Tensor]] = []
+        pending: list[tuple[Work, torch.Tensor]] = []
+        for send in self.sends:
+            (completed if send[0].is_completed() else pending).append(send)
+        if completed:
+            self._wait_sends(completed, labelled=False)
+        self.sends = pending
+
+    def _wait_sends(self, sends: list[tuple[Work, torch.Tensor]], labelled: bool = True) -> None:
         started = time.perf_counter()
         try:
-            with label("wait", len(sends), "sends"):
+            with label("wait", len(sends), "sends") if labelled else contextlib.nullcontext():
                 for work, _ in sends:
                     work.wait(self.timeout)
         except RuntimeError as exc:
