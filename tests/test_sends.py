@@ -1,7 +1,8 @@
 """How long a stage holds the messages it sent: a send that reports its completion (NCCL's) is let
 go at the next send; one that reports it only through ``wait()`` (gloo's) stays in the window of
 ``SEND_WINDOW`` sends until it is the oldest. Real transports run these paths in
-tests/test_pipeline_parity.py and tests/test_emulated_nccl.py (whose sends report completion); here a fake one says when a send is done.
+tests/test_pipeline_parity.py and tests/test_emulated_nccl.py (whose sends report completion);
+here a fake one says when a send is done.
 """
 
 from __future__ import annotations
@@ -89,5 +90,5 @@ def test_a_completed_send_that_failed_raises_when_it_is_let_go():
     sender = messenger(transport)
     send(sender, 0)
     transport.works[0].received = True
-    with pytest.raises(PeerFailure, match="exited or crashed.*connection closed by peer"):
+    with pytest.raises(PeerFailure, match=r"exited or crashed.*connection closed by peer"):
         send(sender, 1)
