@@ -427,12 +427,13 @@ def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
     """Mean drift of a group: over each run's evaluations after the first, of the mean over the
     stages with a delay (None: the last stage of pipedream)."""
     make_run(tmp_path, 2.0, schedule="sync")
-    make_run(tmp_path, 2.4, schedule="2bw", drift=([0.02, 0.04], [0.01, 0.01]))  # 0.03, 0.01
-    make_run(tmp_path, 2.2, schedule="2bw", ef=True, drift=([0.01], [0.01]))
+    plain = make_run(tmp_path, 2.4, schedule="2bw", drift=([0.02, 0.04], [0.01, 0.01]))
+    ef = make_run(tmp_path, 2.2, schedule="2bw", ef=True, drift=([0.01], [0.01]))
     make_run(tmp_path, 2.6, schedule="pipedream", stages=3, drift=([0.05, 0.03, None], [0.04]))
     folder = make_run(tmp_path, 2.3, schedule="2bw", correction="predict", drift=([0.02], [0.02]))
-    with (folder / "metrics.jsonl").open("a") as metrics:  # a cosine line, as staleness_every
-        metrics.write(json.dumps({"step": 60, "train_loss": 2.5, COSINE: [0.8, 0.6]}) + "\n")
+    for run, cosines in ((folder, [0.8, 0.6]), (plain, [0.9]), (ef, [0.4, 0.6])):
+        with (run / "metrics.jsonl").open("a") as metrics:  # cosine lines, as staleness_every
+            metrics.write(json.dumps({"step": 60, "train_loss": 2.5, COSINE: cosines}) + "\n")
     assert call(str(tmp_path), "--out", str(tmp_path / "out")) == 0
     text = (tmp_path / "out" / "report.md").read_text()
     staleness = text.split("## Staleness")[1]
@@ -442,8 +443,10 @@ def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
         if line.startswith("| adamw")
     }
     assert "sync" not in rows  # nothing drifts without a delay
-    assert rows["2bw"][4:8] == ["0.0200", "0.0100", "—", "+0.4000"]
+    assert rows["2bw"][4:8] == ["0.0200", "0.0100", "0.9000", "+0.4000"]
     assert rows["pipedream"][4:6] == ["0.0400", "0.0400"]
     assert rows["2bw+predict"][6] == "0.7000"
     # drift 0.01, 0.02, 0.02, 0.04 against gaps 0.2, 0.3, 0.4, 0.6: ranks 1, 2.5, 2.5, 4
-    assert "over the 4 groups with both: +0.95." in staleness
+    assert "mean weight drift and its gap vs sync, over the 4 groups with both: +0.95." in staleness
+    # cosine 0.5, 0.7, 0.9 against gaps 0.2, 0.3, 0.4
+    assert "gradient cosine and its gap vs sync, over the 3 groups with both: +1.00." in staleness

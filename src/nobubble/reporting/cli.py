@@ -28,13 +28,14 @@ from nobubble.reporting.groups import (
 )
 from nobubble.reporting.runs import ReportError, discover, matches, parse_filter
 from nobubble.reporting.table import (
+    STALENESS_MEASURES,
     controls_table,
     downstream_table,
-    drift_gap_correlation,
     gap_during_training_table,
     quality_table,
     references_table,
     reverse_table,
+    staleness_gap_correlation,
     staleness_table,
     target_table,
 )
@@ -204,13 +205,14 @@ def render(
     staleness = staleness_table(rows)
     if staleness is not None:
         parts += ["## Staleness", staleness, STALENESS_NOTE]
-        correlation = drift_gap_correlation(rows)
-        if correlation is not None:
-            rho, count = correlation
-            parts.append(
-                f"Rank correlation (Spearman) between a group's mean weight drift and its gap vs "
-                f"sync, over the {count} groups with both: {rho:+.2f}."
-            )
+        for name, measure in STALENESS_MEASURES.items():
+            correlation = staleness_gap_correlation(rows, measure)
+            if correlation is not None:
+                rho, count = correlation
+                parts.append(
+                    f"Rank correlation (Spearman) between a group's {name} and its gap vs "
+                    f"sync, over the {count} groups with both: {rho:+.2f}."
+                )
     if target is not None:
         parts += ["## Time to target", target, TARGET_NOTE]
     parts.append("## Plots")

@@ -4,7 +4,7 @@ target, staleness beside the gap, and each correction against its control withou
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nobubble.downstream.scores import Column
@@ -234,13 +234,22 @@ def staleness_table(rows: Sequence[Comparison]) -> str | None:
     return markdown_table(header, body)
 
 
-def drift_gap_correlation(rows: Sequence[Comparison]) -> tuple[float, int] | None:
-    """Spearman's correlation between the groups' mean weight drift and their gap vs sync, and
-    how many groups it is over (those with both, finite); None for fewer than 3."""
+STALENESS_MEASURES: dict[str, Callable[[Group], Stat | None]] = {
+    "mean weight drift": lambda group: group.drift,
+    "gradient cosine": lambda group: group.cosine,
+}
+
+
+def staleness_gap_correlation(
+    rows: Sequence[Comparison], measure: Callable[[Group], Stat | None]
+) -> tuple[float, int] | None:
+    """Spearman's correlation between a staleness measure of the groups (one of
+    ``STALENESS_MEASURES``) and their gap vs sync, and how many groups it is over (those with
+    both, finite); None for fewer than 3."""
     pairs = [
-        (r.group.drift.mean, r.gap)
+        (stat.mean, r.gap)
         for r in rows
-        if r.group.drift is not None and r.gap is not None and math.isfinite(r.gap)
+        if (stat := measure(r.group)) is not None and r.gap is not None and math.isfinite(r.gap)
     ]
     rho = rank_correlation(pairs)
     return None if rho is None else (rho, len(pairs))
