@@ -133,10 +133,10 @@ def test_the_allreduce_is_exposed_after_a_flush_and_hidden_under_2bw():
         allreduce = [ring * 4 * c.parameters / (gb_per_s * 1e9) for c in costs]
         busy = [p.microbatches * t for t in stage_seconds(p)]
         one, alone = estimate(p, "1f1b"), estimate(plan(), "1f1b")
-        assert one.exposed_allreduce_s == pytest.approx(max(allreduce))
+        assert one.exposed_dp_s == pytest.approx(max(allreduce))
         assert one.step_s == pytest.approx(alone.step_s + max(allreduce))
         hidden = max(max(a - b, 0.0) for a, b in zip(allreduce, busy, strict=True))
-        assert estimate(p, "2bw").exposed_allreduce_s == pytest.approx(hidden)
+        assert estimate(p, "2bw").exposed_dp_s == pytest.approx(hidden)
         assert (hidden == 0.0) == (gb_per_s == 1e6)
 
 

@@ -74,7 +74,7 @@ class Estimate:
     step_s: float
     tokens_per_s: float
     bubble: float  # mean idle share of the ranks' pipeline time per step
-    exposed_allreduce_s: float
+    exposed_dp_s: float  # data-parallel communication not hidden behind compute, per step
     memory_gb: list[float]  # per rank
 
     @property
@@ -266,13 +266,13 @@ def estimate(plan: Plan, schedule: str) -> Estimate:
     ranks = simulated.rank_stages
     busy = [plan.microbatches * sum(fwd[s] + bwd[s] for s in stages) for stages in ranks]
     exposed = 0.0
-    if plan.dp > 1:  # pipedream updates, and so all-reduces, after every microbatch
+    if plan.dp > 1:  # pipedream updates, and so communicates, after every microbatch
         per_step = plan.microbatches if spec.step_per_microbatch else 1
         for r, stages in enumerate(ranks):
             dp_bytes = dp_bytes_per_parameter(plan) * sum(costs[s].parameters for s in stages)
-            allreduce_s = dp_bytes / (plan.allreduce.gb_per_s * 1e9)
+            dp_s = dp_bytes / (plan.allreduce.gb_per_s * 1e9)
             hidden = 0.0 if spec.flushes else busy[r] / per_step
-            exposed = max(exposed, per_step * max(allreduce_s - hidden, 0.0))
+            exposed = max(exposed, per_step * max(dp_s - hidden, 0.0))
     step_s = pipeline_s + exposed
     memory = []
     for r, stages in enumerate(ranks):
@@ -290,6 +290,6 @@ def estimate(plan: Plan, schedule: str) -> Estimate:
         step_s=step_s,
         tokens_per_s=plan.tokens_per_step / step_s,
         bubble=1 - sum(busy) / (len(busy) * pipeline_s),
-        exposed_allreduce_s=exposed,
+        exposed_dp_s=exposed,
         memory_gb=memory,
     )
