@@ -51,7 +51,8 @@ def test_auto_prints_its_choice_and_config_json_records_it(tmp_path, capsys):
     assert main(["train", "--no-progress", *settings, "correction=auto"]) == 0
     printed = capsys.readouterr().out
     assert "nobubble: correction=auto for muon under 2bw: ef (ef_gamma=1.5), the best" in printed
-    assert "phases ef_gamma, ef_strong and gamma_all, docs/results.md sections 12 and 15" in printed
+    runs = "phases ef_gamma, ef_strong, gamma_all and longer_gamma, docs/results.md sections 12"
+    assert runs + " and 15" in printed
     saved = json.loads((out / "config.json").read_text())
     assert (saved["correction"], saved["ef_gamma"], saved["ef"]) == ("ef", 1.5, False)
 

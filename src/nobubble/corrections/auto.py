@@ -37,16 +37,20 @@ CHOICES: dict[tuple[str, str], Measured] = {
     ("adamw", "2bw"): Measured(
         "ef",
         {"ef_gamma": 2.0},
-        "closes 68% of the 2bw gap at 300 steps, 69% again in round two and 64% on unseen seeds "
-        "(γ = 1.5: 64-67%; predict: 60%, and 71% at 1,200 steps, where γ = 2 was not run)",
-        "phases ef_gamma, ef_strong and gamma_all, docs/results.md sections 12 and 15",
+        "closes 68% of the 2bw gap at 300 steps, 69% again in round two and 64% on unseen seeds; "
+        "at 1,200 steps 79%, and 82% on unseen seeds (γ = 1.5: 64-67%; predict: 60%, and 71% at "
+        "1,200 steps)",
+        "phases ef_gamma, ef_strong, gamma_all and longer_gamma, docs/results.md sections 12 "
+        "and 15",
     ),
     ("muon", "2bw"): Measured(
         "ef",
         {"ef_gamma": 1.5},
-        "closes 57% of the 2bw gap at 300 steps, 53% in round two and 58% on unseen seeds (γ = "
-        "1.25-1.75 within 2 points of each other, γ = 2: 48-50%, ef+predict: 55%)",
-        "phases ef_gamma, ef_strong and gamma_all, docs/results.md sections 12 and 15",
+        "closes 57% of the 2bw gap at 300 steps, 53% in round two and 58% on unseen seeds; 49% "
+        "at 1,200 steps on unseen seeds (γ = 1.25-1.75 within 2 points of each other at 300 steps, "
+        "γ = 1.75 71% at 1,200 on the tuning seeds; γ = 2: 48-50%; ef+predict: 55%)",
+        "phases ef_gamma, ef_strong, gamma_all and longer_gamma, docs/results.md sections 12 "
+        "and 15",
     ),
     ("mars", "2bw"): Measured(
         "ef+predict",
