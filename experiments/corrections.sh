@@ -82,9 +82,12 @@ for optim_lr in adamw=0.003 muon=0.01; do  # each optimizer's learning rate tune
 done
 report staleness "Weight drift and gradient cosine of every correction under 2bw (seed 0)" \
     "$RUNS/staleness"
-report others "The other five optimizers: controls, EF's gamma, their momentum lowered" \
+report others "The other five optimizers: controls and EF's gamma" \
     "$RUNS/main" "$RUNS/corrections" "$RUNS/controls_others" "$RUNS/gamma_others" \
-    "$RUNS/momentum_others" --where optim=lion,adan,soap,mars,nadamw
+    --where optim=lion,adan,soap,mars,nadamw --vs ef_gamma
+report momentum_others "The other five optimizers: their momentum lowered, alone and with EF" \
+    "$RUNS/main" "$RUNS/momentum_others" --where optim=lion,adan,soap,mars,nadamw \
+    --vs beta1 beta2 --reference beta1=0.9 --reference beta2=0.95
 
 # Time and memory per step on the pipeline, from each run's summary.json.
 if [ -d "$RUNS/pipeline_cost" ]; then
