@@ -3,7 +3,7 @@
 # AdamW and Muon on seeds the corrections study did not tune on, at 300 and 1,200 steps; the
 # reports (docs/results/corrections_auto/<part>/) and the run records.
 #
-#   experiments/corrections_auto.sh              # 30 runs (docs/results.md, "Round two: the plan")
+#   experiments/corrections_auto.sh              # 30 runs (docs/results.md section 15)
 #   JOBS=1 experiments/corrections_auto.sh       # runs at a time (default 2)
 #
 # As experiments/corrections.sh: the records of finished runs are kept in git
