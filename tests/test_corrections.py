@@ -22,6 +22,7 @@ from nobubble.corrections.spec import GENERALISATION, PUBLISHED
 from nobubble.corrections.spike import SpikeCompensation
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
+from nobubble.optim.lr_schedule import set_lr
 from nobubble.optim.registry import build_optimizer
 from nobubble.update import build_stage_optimizer
 from tests.test_delay_exact import column, quadratic_trainer
@@ -292,12 +293,15 @@ def test_spike_and_dc_do_nothing_without_a_delay(name):
     "extra",
     [
         {"correction": "nesterov"},
+        {"correction": "spike"},
         {"correction": "dc", "dc_lambda": 0.5},
         {"correction": "dc", "dc_lambda": 0.5, "dc_mean_square_decay": 0.9},
     ],
-    ids=["nesterov", "dc", "dc-adaptive"],
+    ids=["nesterov", "spike", "dc", "dc-adaptive"],
 )
 def test_correction_state_round_trips_by_name(extra):
+    """The loaded twin steps as the original, at a learning rate the schedule set after the
+    load (loading replaces the optimizer's group dicts)."""
     cfg = TrainConfig(**ADAMW, **extra, schedule="2bw")
     w = torch.nn.Parameter(torch.tensor([W0], dtype=torch.float64))
     opt = build_stage_optimizer([(HIDDEN, w)], cfg, delay=1)
@@ -310,6 +314,8 @@ def test_correction_state_round_trips_by_name(extra):
     twin = torch.nn.Parameter(w.detach().clone())
     fresh = build_stage_optimizer([(HIDDEN, twin)], cfg, delay=1)
     load_named_state(fresh, state)
+    set_lr(opt, 0.01)
+    set_lr(fresh, 0.01)
     w.grad, twin.grad = torch.ones_like(w), torch.ones_like(twin)
     opt.step()
     fresh.step()

@@ -38,7 +38,6 @@ class SpikeCompensation(UpdateCorrection):
         super().__init__(base)
         parts = base.optimizers if isinstance(base, CompositeOptimizer) else [base]
         self.owner: dict[torch.Tensor, torch.optim.Optimizer] = {}
-        self.group: dict[torch.Tensor, dict] = {}
         for part in parts:
             if not isinstance(part, torch.optim.SGD | torch.optim.AdamW):
                 raise ValueError(f"spike compensation supports {SUPPORTED}, not {part!r}")
@@ -46,15 +45,17 @@ class SpikeCompensation(UpdateCorrection):
                 if isinstance(part, torch.optim.SGD) and group["nesterov"]:
                     raise ValueError("spike compensation is for heavy-ball SGD, not Nesterov")
                 for p in group["params"]:
-                    self.owner[p], self.group[p] = part, group
+                    self.owner[p] = part
         self.delays = delays
 
     def _correct(self, params: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+        # the groups as they are now: loading a state (a resume) replaces the group dicts
+        groups = {p: group for group in self.param_groups for p in group["params"]}
         for p, w in zip(params, before, strict=True):
             delay = self.delays[p]
             if delay == 0:
                 continue
-            group, state = self.group[p], self.owner[p].state[p]
+            group, state = groups[p], self.owner[p].state[p]
             if isinstance(self.owner[p], torch.optim.SGD):
                 m, lr = group["momentum"], group["lr"]
                 a = m**delay
