@@ -9,10 +9,20 @@ from pathlib import Path
 
 from nobubble.config import ConfigError
 from nobubble.destinations import check_output_file
+from nobubble.optim.registry import OPTIMIZERS
 from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
 from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
 from nobubble.planning.shapes import LLAMA3_FAMILY, PLANNING_SHAPES
+from nobubble.planning.target import (
+    FIT_COMMAND,
+    TOKENS_PER_PARAMETER,
+    has_law,
+    non_embedding_parameters,
+    read_laws,
+    time_to_target,
+)
+from nobubble.planning.target_output import target_json, target_lines
 from nobubble.schedules.registry import PIPELINE_SCHEDULES
 
 
@@ -73,6 +83,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grid-ratios", default="1,2,4,8", metavar="R,R,...", help="M/P ratios (default 1,2,4,8)"
     )
     parser.add_argument("--png", type=Path, help="with --grid: also draw it into this PNG")
+    parser.add_argument(
+        "--optim",
+        choices=OPTIMIZERS,
+        help="also each schedule's time to the synchronous run's final loss with this optimizer, "
+        "from the fitted law of the delay's extra steps",
+    )
+    parser.add_argument(
+        "--laws",
+        type=Path,
+        metavar="PATH",
+        help=f"with --optim: the fitted laws ({FIT_COMMAND} writes them; default: the "
+        "shipped ones)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=float,
+        help=f"with --optim: the tokens to train on (default: {TOKENS_PER_PARAMETER} per "
+        "non-embedding parameter)",
+    )
 
 
 def _link(link: Link, gbps: float | None, latency_us: float | None) -> Link:
@@ -190,8 +219,22 @@ def run_grid(args: argparse.Namespace, plan: Plan) -> int:
     return 0
 
 
+def check_target_flags(args: argparse.Namespace) -> None:
+    """--laws and --tokens go with --optim, and --optim with one plan."""
+    if args.optim is None:
+        for flag, value in (("--laws", args.laws), ("--tokens", args.tokens)):
+            if value is not None:
+                raise ConfigError(f"{flag} goes with --optim (the time to target); add --optim")
+    elif args.grid:
+        raise ConfigError("--optim times one plan, not a --grid; leave out one of them")
+    if args.tokens is not None and args.tokens <= 0:
+        raise ConfigError(f"--tokens must be positive, got {args.tokens:g}")
+
+
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
+    check_target_flags(args)
+    laws = read_laws(args.laws) if args.optim else None  # before any work, as --png
     if args.png:  # before any work: a typo in the path costs a line, not the grid
         if not args.grid:
             raise ConfigError("--png draws a --grid; add --grid P,P,...")
@@ -203,7 +246,12 @@ def run(args: argparse.Namespace) -> int:
     fitting = [p for p in results if p.peak_memory_gb <= limit]
     best = fitting[0].schedule if fitting else None
     largest = {p.schedule: largest_fitting(plan, p.schedule, limit) for p in results}
+    target = None
+    if args.optim and has_law(laws, args.optim):
+        tokens = args.tokens or TOKENS_PER_PARAMETER * non_embedding_parameters(plan.model)
+        target = time_to_target(plan, results, laws, args.optim, tokens, limit)
     if args.json:
+        extra = {"time_to_target": target_json(args, plan, target)} if args.optim else {}
         print(json.dumps({
             "plan": {
                 "preset": args.preset, "stages": plan.stages, "microbatches": plan.microbatches,
@@ -220,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
             ],
             "skipped": skipped,
             "best": best,
-        }, indent=2))  # fmt: skip
+        } | extra, indent=2))  # fmt: skip
         return 0 if results else 1
     print(
         f"{args.preset} on {plan.stages} x {plan.dp} {plan.device.name} (peak "
@@ -234,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
     for name, why in skipped.items():
         print(f"{name}: not predicted: {why}")
     print(conclusion(plan, results, limit, best))
+    if args.optim:
+        print()
+        print("\n".join(target_lines(args, plan, target, limit)))
     return 0 if results else 1
 
 
