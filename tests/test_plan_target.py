@@ -14,10 +14,11 @@ from nobubble.delay_law import Law, save_laws
 from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
 from nobubble.planning import target as target_module
+from nobubble.planning.costs import non_embedding_parameters
 from nobubble.planning.estimate import Estimate, Plan
 from nobubble.planning.hardware import DEVICES, LINKS
 from nobubble.planning.shapes import PLANNING_SHAPES
-from nobubble.planning.target import non_embedding_parameters, time_to_target
+from nobubble.planning.target import time_to_target
 
 # a block: q, o (2·64·64) + k, v (2·64·32) + gate, up, down (3·64·128) + 2 norms = 36,992
 SHAPE = ModelConfig(d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,

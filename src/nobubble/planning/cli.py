@@ -10,6 +10,7 @@ from pathlib import Path
 from nobubble.config import ConfigError
 from nobubble.destinations import check_output_file
 from nobubble.optim.registry import OPTIMIZERS
+from nobubble.planning.costs import non_embedding_parameters
 from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
 from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
@@ -18,7 +19,6 @@ from nobubble.planning.target import (
     FIT_COMMAND,
     TOKENS_PER_PARAMETER,
     has_law,
-    non_embedding_parameters,
     read_laws,
     time_to_target,
 )

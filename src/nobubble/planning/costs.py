@@ -107,3 +107,9 @@ def block_parameters(mc: ModelConfig, block: int) -> int:
         unused = mc.moe_experts - mc.moe_top_k  # experts a token does not meet, held anyway
         held += 3 * d * mc.expert_width * unused + (mc.moe_experts if mc.moe_bias_rate else 0)
     return held
+
+
+def non_embedding_parameters(mc: ModelConfig) -> int:
+    """The blocks' parameters (every expert of an MoE block): no embedding, head or final norm;
+    the size the delay's scaling laws are fitted and read at (nobubble.delay_law)."""
+    return sum(block_parameters(mc, i) for i in range(mc.n_layers))

@@ -18,8 +18,7 @@ from pathlib import Path
 from nobubble import delay_law
 from nobubble.config import ConfigError
 from nobubble.delay_law import Law, find_law, load_laws
-from nobubble.model.presets import ModelConfig
-from nobubble.planning.costs import block_parameters
+from nobubble.planning.costs import non_embedding_parameters
 from nobubble.planning.estimate import Estimate, Plan
 from nobubble.schedules.registry import schedule_spec
 
@@ -29,11 +28,6 @@ TOKENS_PER_PARAMETER = 20  # the default budget (Hoffmann et al. 2022's compute-
 SHIPPED_LAWS = Path(delay_law.__file__).with_name("delay_laws.json")
 FIT_COMMAND = "nobubble report --scaling"
 CORRECTIONS = ("", "+auto")  # the delayed setups a law is fitted for: name, name+auto
-
-
-def non_embedding_parameters(mc: ModelConfig) -> int:
-    """The blocks' parameters (every expert of an MoE block): no embedding, head or final norm."""
-    return sum(block_parameters(mc, i) for i in range(mc.n_layers))
 
 
 def has_law(laws: list[Law] | None, optim: str) -> bool:
