@@ -1,12 +1,16 @@
-"""A run records which code produced it."""
+"""A run records which code and which machine produced it."""
 
+import json
+import os
 import subprocess
 from pathlib import Path
 
 import torch
 
 import nobubble
-from nobubble.provenance import provenance
+from nobubble.cli import main
+from nobubble.provenance import machine, provenance
+from tests.pipeline_helpers import SMALL
 
 
 def test_provenance_names_this_checkout_s_commit_and_torch():
@@ -20,3 +24,16 @@ def test_provenance_names_this_checkout_s_commit_and_torch():
         ["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True
     ).stdout.strip()
     assert found["nobubble"].removesuffix("-dirty").startswith(head[:7])
+
+
+def test_a_run_records_the_machine_it_ran_on(tmp_path):
+    """The CPU, its cores, the vector instructions torch's kernels use on it, and the GPU: what
+    the report compares before setting one run's loss against another's."""
+    found = machine()
+    assert found["cpus"] == os.cpu_count() and found["cpu"]
+    assert found["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert found["gpu"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    out = tmp_path / "run"
+    assert main(["train", "--no-progress", "--out", str(out), *SMALL, "steps=1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["machine"] == found and summary["code"] == provenance()

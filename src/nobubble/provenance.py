@@ -1,9 +1,12 @@
-"""Which code produced a run or a measurement, recorded beside its results."""
+"""Which code and which machine produced a run or a measurement, recorded beside its results."""
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,3 +33,23 @@ def source_revision() -> str | None:
 def provenance() -> dict[str, str | None]:
     """nobubble's source revision and torch's version."""
     return {"nobubble": source_revision(), "torch": torch.__version__}
+
+
+def machine() -> dict[str, Any]:
+    """The hardware, as far as a result's float rounding depends on it: the CPU's model and
+    cores, the vector instructions torch's CPU kernels use, and the GPU (None without one)."""
+    cpu = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        models = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        cpu = models[0] if models else cpu
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }

@@ -49,7 +49,7 @@ from nobubble.bench.variants import (
 from nobubble.config import ConfigError, parse_overrides
 from nobubble.configure import build_config
 from nobubble.destinations import check_output_file, make_output_folder
-from nobubble.provenance import provenance
+from nobubble.provenance import machine, provenance
 
 # The measured configuration of docs/benchmarks.md, and a seconds-long smoke run.
 DEFAULTS = dict(
@@ -188,23 +188,9 @@ def common_settings(args: argparse.Namespace) -> list[str]:
     return ours + list(args.overrides)
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        models = [
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.read_text().splitlines()
-            if line.startswith("model name")
-        ]
-        cpu = models[0] if models else cpu
-    return {
-        "cpus": os.cpu_count(),
-        "cpu": cpu,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        **provenance(),
-    }
+def machine_info() -> dict[str, Any]:
+    """The machine (:func:`nobubble.provenance.machine`), Python's version and the code."""
+    return {**machine(), "python": platform.python_version(), **provenance()}
 
 
 def cpu_cores() -> int:
@@ -307,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = [summarize(name, results, memory) for name in results]
     crowded = oversubscribed(args)
     found = targets(results, memory, args.stages, args.microbatches, crowded)
-    info = machine()
+    info = machine_info()
     print(header(args, info, log) + "\n")
     print(markdown(summaries, found))
     if args.dp > 1:

@@ -14,7 +14,7 @@ from nobubble.hf.export import unexportable
 from nobubble.interrupt import Interrupted
 from nobubble.model.presets import ModelConfig
 from nobubble.optim.muon import ns_dtype
-from nobubble.provenance import provenance
+from nobubble.provenance import machine, provenance
 from nobubble.resume import resume_command
 from nobubble.run.errors import NonFiniteError
 from nobubble.run.steplog import StepLogger
@@ -63,7 +63,7 @@ def run_summary(
 ) -> dict:
     """summary.json: why the run stopped, its final evaluation (that of the last step, for a
     finished run; the last one there was, for a run stopped early), throughput, MFU, times and
-    memory (and the dtype of Muon's Newton–Schulz)."""
+    memory, the code and the machine that ran it (and the dtype of Muon's Newton–Schulz)."""
     elapsed = log.elapsed()
     rate = log.tokens_per_s()
     summary = {
@@ -78,6 +78,7 @@ def run_summary(
         "steps": engine.step if stopped == FINISHED else log.done,
         "peak_mem_mb": peak_memory_mb(engine.device),
         "code": provenance(),
+        "machine": machine(),
     }
     if stopped == FINISHED:
         _, val_loss, val_bpb = log.last_eval or (0, float("nan"), float("nan"))
