@@ -4,7 +4,10 @@ A :class:`Law` is a separable power law ``y = coef * (params / 1e6) ** params_ex
 (tokens / 1e6) ** tokens_exp`` with bootstrap samples of its three numbers, fitted by
 ``nobubble report --scaling`` on the scaling ladder's runs and read by ``nobubble plan``.
 ``params`` counts non-embedding parameters; ``tokens`` the tokens a run trains on. A law knows
-the range it was measured on, so a reader can say how far outside it a prediction lies.
+the range it was measured on, so a reader can say how far outside it a prediction lies. An axis
+the data did not measure (its value the same at every point, or varying only together with the
+other axis) has exponent 0 and is listed in ``not_measured``: a prediction that moves along it
+is not backed by the data.
 
 The quantities (``QUANTITIES``) are measured per delayed run against the synchronous run with the
 same settings and seed:
@@ -13,7 +16,8 @@ same settings and seed:
 - ``relative_gap``: ``gap`` divided by sync's final loss;
 - ``excess_steps``: ``S / s - 1``, where the delayed run ends at step ``S`` and sync first reaches
   the delayed run's final loss at step ``s`` (interpolated): the share of extra steps the delay
-  costs. A delayed run that needs ``(1 + excess_steps)`` times sync's steps to reach a loss takes
+  costs; undefined for a run that ends below sync's final loss (sync never reaches it). A delayed
+  run that needs ``(1 + excess_steps)`` times sync's steps to reach a loss takes
   ``(1 + excess_steps) * steps * step_time`` to reach sync's final loss.
 """
 
@@ -42,6 +46,7 @@ class Law:
     params_range: tuple[float, float]  # measured non-embedding parameters, min and max
     tokens_range: tuple[float, float]  # measured tokens, min and max
     points: int = 0  # runs the fit used
+    not_measured: tuple[str, ...] = ()  # "params", "tokens": exponents set to 0, not fitted
 
     def value(self, params: float, tokens: float) -> float:
         return _power(self.coef, self.params_exp, self.tokens_exp, params, tokens)
@@ -91,6 +96,7 @@ def load_laws(path: Path) -> list[Law]:
         entry["samples"] = tuple(tuple(s) for s in entry["samples"])
         entry["params_range"] = tuple(entry["params_range"])
         entry["tokens_range"] = tuple(entry["tokens_range"])
+        entry["not_measured"] = tuple(entry.get("not_measured", ()))
         laws.append(Law(**entry))
     return laws
 
