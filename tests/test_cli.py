@@ -202,6 +202,9 @@ UNUSED = [
     ({"staleness_every": 5, "schedule": "2bw"}, False, set()),
     ({"staleness_every": 5, "schedule": "2bw", "stages": 2, "microbatches": 2}, True,
      {"staleness_every"}),  # the pipeline measures the drift only
+    ({"applied_error_every": 5}, False, set()),  # sync too: its error is zero, a control
+    ({"applied_error_every": 5, "schedule": "2bw", "stages": 2, "microbatches": 2}, True,
+     {"applied_error_every"}),
     ({"wandb_project": "p", "wandb_mode": "offline"}, False, {"wandb_project", "wandb_mode"}),
     ({"wandb_project": "p", "logger": "tensorboard,wandb"}, False, set()),
     ({"lr": 1e-3, "steps": 5, "weight_decay": 0.0, "warmup_steps": 0}, False, set()),  # read by all

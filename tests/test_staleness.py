@@ -77,11 +77,11 @@ def test_the_gradient_cosine_on_a_toy_by_hand():
         stats.append(trainer.train_step([torch.zeros(1)]))
         g = _grad(w[max(t - 1, 0)])
         w.append([x - 0.5 * gi for x, gi in zip(w[t], g, strict=True)])
-    assert [s.grad_cosine is None for s in stats] == [True, False, True, False, True]
+    assert [COSINE in s.measured for s in stats] == [False, True, False, True, False]
     for t in (1, 3):
         expected = _cos(_grad(w[t - 1]), _grad(w[t]))
-        assert stats[t].grad_cosine == [pytest.approx(expected, rel=1e-12), None]
-    assert stats[1].grad_cosine[0] < 0.99  # the two really differ here
+        assert stats[t].measured == {COSINE: [pytest.approx(expected, rel=1e-12), None]}
+    assert stats[1].measured[COSINE][0] < 0.99  # the two really differ here
     final = trainer.stages[0].params["w0"].tolist()
     assert final == pytest.approx(w[-1], rel=1e-15)  # measuring changed nothing
     # the weight drift of stage 0 now: |w[5] - w[4]| / |w[5]|

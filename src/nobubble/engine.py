@@ -22,9 +22,9 @@ class StepStats:
     lr: float
     skipped_stages: list[int] = field(default_factory=list)
     routing: Routing = field(default_factory=dict)  # MoE blocks' routing sums (nobubble.model.moe)
-    # per model stage, where measured (staleness_every): the delayed gradient's cosine with the
-    # fresh one (nobubble.staleness); None for a stage without a delay
-    grad_cosine: list[float | None] | None = None
+    # what the step measured (staleness_every, applied_error_every): a metrics.jsonl key of
+    # nobubble.staleness (STEP_MEASURES) -> one value per model stage (None: not measured there)
+    measured: dict[str, list[float | None]] = field(default_factory=dict)
 
 
 class StepHooks(Protocol):

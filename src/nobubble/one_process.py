@@ -42,12 +42,20 @@ from nobubble.model.presets import ModelConfig
 from nobubble.profiling import OFF, label, labelled
 from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import apply_stage_options, autocast
-from nobubble.staleness import cosine, weight_drift
+from nobubble.staleness import (
+    APPLIED_COSINE,
+    APPLIED_ERROR,
+    COSINE,
+    applied_error,
+    cosine,
+    weight_drift,
+)
 from nobubble.update import TrainedStage, combined_norm
 from nobubble.versions import Weights, gradient_version
 
 MicroLoss = Callable[[Weights, torch.Tensor], torch.Tensor]
-Gradients = tuple[torch.Tensor | None, ...]  # a stage's, in the order of its weights
+Gradients = dict[str, torch.Tensor | None]  # a stage's, by the names of its trained weights
+Measured = dict[str, list[float | None]]  # a step's measures: metrics key -> one per model stage
 
 
 class DelayedTrainer:
@@ -101,7 +109,9 @@ class DelayedTrainer:
 
     def train_step(self, microbatches: Sequence[torch.Tensor]) -> StepStats:
         t = self.step
-        fresh = self._fresh_gradients(microbatches) if self._measures_cosine(t) else None
+        cosine_due = _due(self.cfg.staleness_every, t) and any(self.delays)
+        applied_due = _due(self.cfg.applied_error_every, t)
+        fresh = self._fresh_gradients(microbatches) if cosine_due or applied_due else None
         weights: Weights = {}
         for stage in self.stages:
             weights.update(self._uses(stage.index, stage.at(t)))
@@ -114,40 +124,41 @@ class DelayedTrainer:
             with label(f"B mb{number}", versions):
                 (loss / len(microbatches)).backward()
             total += loss.item()
-        cosines = None if fresh is None else self._cosines(t, fresh)
+        measured: Measured = {COSINE: self._cosines(t, fresh)} if cosine_due else {}
         with label(f"STEP v{t + 1}"):
-            return self._update(t, total / len(microbatches), cosines)
-
-    def _measures_cosine(self, t: int) -> bool:
-        every = self.cfg.staleness_every
-        return bool(every) and (t + 1) % every == 0 and any(self.delays)
+            return self._update(
+                t, total / len(microbatches), measured, fresh if applied_due else None
+            )
 
     def _fresh_gradients(self, microbatches: Sequence[torch.Tensor]) -> list[Gradients]:
         """Each stage's gradient of the step's loss with every stage at its newest weights (what a
         synchronous step would compute), without touching any ``.grad``; run before the step's
         own forwards so that its MoE routing sums are dropped, not counted."""
-        newest = [self._uses(s.index, s.store[s.store.newest]) for s in self.stages]
-        leaves = [[t for t in part.values() if t.requires_grad] for part in newest]
-        weights = {key: tensor for part in newest for key, tensor in part.items()}
+        newest = [s.store[s.store.newest] for s in self.stages]
+        leaves = [{n: w for n, w in part.items() if w.requires_grad} for part in newest]
+        weights = {
+            key: tensor
+            for index, part in enumerate(newest)
+            for key, tensor in self._uses(index, part).items()
+        }
         with label("staleness"):
             loss = sum(self.micro_loss(weights, micro) for micro in microbatches)
             flat = torch.autograd.grad(
-                loss / len(microbatches), [t for part in leaves for t in part], allow_unused=True
+                loss / len(microbatches),
+                [w for part in leaves for w in part.values()],
+                allow_unused=True,
             )
         self.routing()
-        grads, start = [], 0
-        for part in leaves:
-            grads.append(flat[start : start + len(part)])
-            start += len(part)
-        return grads
+        found = iter(flat)
+        return [{name: next(found) for name in part} for part in leaves]
 
     def _cosines(self, t: int, fresh: list[Gradients]) -> list[float | None]:
         """Per stage: the cosine between its gradient at the weights step ``t`` ran at and the
         fresh one (None for a stage without a delay)."""
         out = []
         for stage, grads in zip(self.stages, fresh, strict=True):
-            ran = [w.grad for w in stage.at(t).values() if w.requires_grad]
-            out.append(cosine(ran, grads) if stage.delay else None)
+            ran = {n: w.grad for n, w in stage.at(t).items() if w.requires_grad}
+            out.append(cosine(ran.values(), (grads[n] for n in ran)) if stage.delay else None)
         return out
 
     def weight_drift(self) -> list[float | None]:
@@ -155,22 +166,45 @@ class DelayedTrainer:
         return [weight_drift(stage.store, stage.delay) for stage in self.stages]
 
     def _update(
-        self, t: int, loss: float, grad_cosine: list[float | None] | None = None
+        self, t: int, loss: float, measured: Measured, fresh: list[Gradients] | None = None
     ) -> StepStats:
-        """Step ``t``'s update, once its gradients are complete: every stage in the one order."""
+        """Step ``t``'s update, once its gradients are complete: every stage in the one order;
+        with the ``fresh`` gradients, each stage's applied-step error and cosine measured too
+        (:func:`~nobubble.staleness.applied_error`)."""
         routing = self.routing()
         for stage in self.stages:
             stage.take_gradients(t)
         if self.tied:
             self._sum_tied_gradients()
+        if fresh is not None:
+            would = self._fresh_updates(t, fresh)
+            before = [_trained_copy(stage.params) for stage in self.stages]
         norms, skipped, lr = [], [], 0.0
         for stage in self.stages:
             norm, ok, lr = stage.apply(t, routing, self.balance_rate)
             norms.append(norm)
             if not ok:
                 skipped.append(stage.index)
+        if fresh is not None:
+            errors = [
+                applied_error({n: stage.params[n].detach() - w for n, w in old.items()}, new)
+                for stage, old, new in zip(self.stages, before, would, strict=True)
+            ]
+            measured[APPLIED_ERROR] = [error for error, _ in errors]
+            measured[APPLIED_COSINE] = [cos for _, cos in errors]
         self.step += 1
-        return StepStats(t, loss, combined_norm(norms), lr, skipped, routing, grad_cosine)
+        return StepStats(t, loss, combined_norm(norms), lr, skipped, routing, measured)
+
+    def _fresh_updates(self, t: int, fresh: list[Gradients]) -> list[Weights]:
+        """Each stage's update at step ``t`` from its ``fresh`` gradient
+        (:meth:`~nobubble.update.TrainedStage.update_from`), a tied weight's summed as
+        :meth:`_sum_tied_gradients` sums it."""
+        if self.tied:
+            name = self.tied[0]
+            like = self.stages[0].params[name]
+            summed = _tied_sum(like, fresh[0][name], fresh[-1][name])
+            fresh = [{**fresh[0], name: summed}, *fresh[1:-1], {**fresh[-1], name: summed}]
+        return [stage.update_from(g, t) for stage, g in zip(self.stages, fresh, strict=True)]
 
     def _uses(self, stage: int, weights: Weights) -> Weights:
         """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""
@@ -183,8 +217,7 @@ class DelayedTrainer:
         """Both copies get first + last (what the pipeline's all-reduce of the two gives)."""
         name = self.tied[0]
         first, last = self.stages[0].params[name], self.stages[-1].params[name]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in (first, last)]
-        first.grad = grads[0] + grads[1]
+        first.grad = _tied_sum(first, first.grad, last.grad)
         last.grad = first.grad.clone()  # clipped on its own, like the last stage's
 
     def checkpoint_tensors(self) -> Weights:
@@ -214,6 +247,24 @@ class DelayedTrainer:
             return state
         tied = {self.tied[0]}
         return NamedState.merge([state.select(state.names() - tied), deepcopy(state.select(tied))])
+
+
+def _due(every: int, t: int) -> bool:
+    """Whether a measure taken every ``every`` steps (0: never) is taken at step ``t``."""
+    return bool(every) and (t + 1) % every == 0
+
+
+def _tied_sum(
+    like: torch.Tensor, first: torch.Tensor | None, last: torch.Tensor | None
+) -> torch.Tensor:
+    """The tied weight's gradient from its two copies' (a missing one counts as zeros)."""
+    first, last = (g if g is not None else torch.zeros_like(like) for g in (first, last))
+    return first + last
+
+
+def _trained_copy(params: dict[str, torch.nn.Parameter]) -> Weights:
+    """A copy of the trained parameters among ``params``."""
+    return {n: p.detach().clone() for n, p in params.items() if p.requires_grad}
 
 
 class OneProcessEngine:

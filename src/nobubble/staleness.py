@@ -1,5 +1,6 @@
 """Staleness you can see: how far a delayed stage's weights have moved from the version its
-gradients are computed at, and how far its gradient points from the fresh one.
+gradients are computed at, how far its gradient points from the fresh one, and how far the
+update it applies is from the one the fresh gradient would give.
 
 - **Weight drift** (every evaluation, both engines, bitwise the same): ‖w[t] - w[t-d]‖ / ‖w[t]‖
   over a stage's trained parameters (summed in name order), w[t] its newest version and w[t-d]
@@ -10,6 +11,15 @@ gradients are computed at, and how far its gradient points from the fresh one.
 - **Gradient cosine** (one-process engine, every ``staleness_every`` steps): the cosine between a
   stage's gradient as training computed it (at the delayed weights, or ŵ) and the gradient of
   the same batch at every stage's newest weights, before clipping (``grad_cosine``).
+- **Applied-step error** (one-process engine, every ``applied_error_every`` steps): what a
+  stage's delayed gradient changes in the update it applies. Δa = w[t+1] - w[t], the update step
+  t applied (clipping, the correction, weight decay and the learning rate all included), against
+  Δf, the update the same optimizer and correction state would have applied at step t from the
+  fresh gradient (that of the cosine above, clipped by the same rule), stepped on copies so that
+  the run is unchanged: ‖Δa - Δf‖ / ‖Δf‖ (``applied_error``) and cos(Δa, Δf)
+  (``applied_cosine``), over the stage's trained parameters. Under a synchronous schedule Δa = Δf
+  up to the order of summation; without a correction the difference is the stale gradient
+  alone, through the optimizer's state; a correction acts on both.
 """
 
 from __future__ import annotations
@@ -19,11 +29,18 @@ from collections.abc import Iterable
 
 import torch
 
-from nobubble.versions import VersionStore, gradient_version
+from nobubble.versions import VersionStore, Weights, gradient_version
 
 DRIFT = "weight_drift"
 COSINE = "grad_cosine"
-PER_STAGE = (DRIFT, COSINE)  # metrics.jsonl keys holding one value (or null) per model stage
+APPLIED_ERROR = "applied_error"
+APPLIED_COSINE = "applied_cosine"
+# metrics.jsonl keys of the measures taken every N steps (staleness_every, applied_error_every)
+STEP_MEASURES = (COSINE, APPLIED_ERROR, APPLIED_COSINE)
+PER_STAGE = (
+    DRIFT,
+    *STEP_MEASURES,
+)  # metrics.jsonl keys holding one value (or null) per model stage
 
 
 def weight_drift(store: VersionStore, delay: int) -> float | None:
@@ -35,8 +52,20 @@ def weight_drift(store: VersionStore, delay: int) -> float | None:
     new, old = store[newest], store[gradient_version(newest, delay)]
     # in name order: the engines hold a stage's parameters in different orders (a tied copy)
     names = sorted(name for name, p in store.params.items() if p.requires_grad)
-    moved = _squares(new[n] - old[n] for n in names)
-    size = _squares(new[n] for n in names)
+    return _relative(_squares(new[n] - old[n] for n in names), _squares(new[n] for n in names))
+
+
+def applied_error(applied: Weights, fresh: Weights) -> tuple[float, float]:
+    """(‖Δa - Δf‖ / ‖Δf‖, cos(Δa, Δf)) of a stage's ``applied`` update and the ``fresh`` one,
+    each by parameter name; float64 sums in name order."""
+    names = sorted(fresh)
+    moved = _squares(applied[n].double() - fresh[n].double() for n in names)
+    size = _squares(fresh[n] for n in names)
+    return _relative(moved, size), cosine((applied[n] for n in names), (fresh[n] for n in names))
+
+
+def _relative(moved: float, size: float) -> float:
+    """sqrt(moved / size) of two sums of squares (0 for nothing moved from nothing)."""
     if size == 0:
         return 0.0 if moved == 0 else math.inf
     return math.sqrt(moved / size)

@@ -126,6 +126,12 @@ _STALENESS = ReadWhen(
     ),
 )
 
+_ONE_PROCESS = ReadWhen(
+    "the one-process engine trains (the pipeline does not measure it)",
+    lambda _, facts: not facts.torchrun,
+    lambda *_: "the pipeline under torchrun",
+)
+
 
 def _split_by_rule(cfg: TrainConfig) -> bool:
     return cfg.stage_layers is None and ParallelLayout.of(cfg).model_stages > 1
@@ -185,6 +191,7 @@ READ_WHEN: dict[str, ReadWhen] = {
         lambda cfg, _: f"out={cfg.out}",
     ),
     "staleness_every": _STALENESS,
+    "applied_error_every": _ONE_PROCESS,
     "wandb_project": _WANDB,
     "wandb_mode": _WANDB,
 }

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -149,6 +150,31 @@ class TrainedStage:
         lr = optimizer_step(self.optimizer, step, self.cfg)
         return norm, ok, lr
 
+    def update_from(self, grads: Weights, step: int) -> Weights:
+        """The update w[t+1] - w[t] of the trained parameters that :meth:`apply` would make at
+        ``step`` (= t) from ``grads`` (by parameter name; complete, as a tied weight's summed
+        with its copy's) in place of the stage's own gradient: clipped by the same rule and
+        stepped by a second optimizer and correction loaded with a copy of the stage's state (as a
+        checkpoint holds it) at the step's learning rate, on copies of the newest weights, so
+        that nothing of the stage changes. Call it before :meth:`apply` (it reads the state step
+        t starts from); the whole stage (no ``shard``)."""
+        copies = {
+            name: torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+            for name, p in self.params.items()
+        }
+        optimizer = build_stage_optimizer(list(copies.items()), self.cfg, self.delay)
+        # a copy: torch's optimizers keep the tensors they load
+        optimizer.load_state_dict(deepcopy(self.optimizer.state_dict()))
+        for name, grad in grads.items():
+            copies[name].grad = None if grad is None else grad.clone()
+        clip_gradients(copies, self.cfg.grad_clip, self.tied, self.reports_tied)
+        optimizer_step(optimizer, step, self.cfg)
+        return {
+            name: copies[name].detach() - p.detach()
+            for name, p in self.params.items()
+            if p.requires_grad
+        }
+
     def checkpoint_tensors(self) -> Weights:
         """Every version held, as ``v{version}/{name}``."""
         return {
@@ -224,10 +250,7 @@ def prepare_step(
     full).
     """
     params = store.params if parts is None else parts
-    if tied is None:
-        norm, ok = clip_stage(params.values(), grad_clip, None if norms is None else norms[0])
-    else:
-        norm, ok = clip_with_tied(params, tied, grad_clip, reports_tied, norms)
+    norm, ok = clip_gradients(params, grad_clip, tied, reports_tied, norms)
     store.release_older_than(gradient_version(step + 1, history))
     store.begin_step(still_needed=history > 0)
     return norm, ok
@@ -240,6 +263,20 @@ def optimizer_step(optimizer: Any, step: int, cfg: TrainConfig) -> float:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return lr
+
+
+def clip_gradients(
+    params: dict[str, torch.nn.Parameter],
+    grad_clip: float,
+    tied: str | None = None,
+    reports_tied: bool = False,
+    norms: tuple[float, float | None] | None = None,
+) -> tuple[float, bool]:
+    """Clip the gradient on a stage's ``params`` by the stage's rule (:func:`prepare_step` says
+    what the arguments mean); returns (norm before clipping, whether the update goes ahead)."""
+    if tied is None:
+        return clip_stage(params.values(), grad_clip, None if norms is None else norms[0])
+    return clip_with_tied(params, tied, grad_clip, reports_tied, norms)
 
 
 def clip_stage(

@@ -21,6 +21,15 @@ class LoggingSettings:
         NON_NEGATIVE,
         resume=FREE,
     )
+    applied_error_every: int = setting(
+        0,
+        "every N steps, each stage's applied update against the one its optimizer state would "
+        "apply from the fresh gradient (at the newest weights, same batch; one more forward and "
+        "backward, and an optimizer step on copies): their relative error and cosine in "
+        "metrics.jsonl; 0 = never (docs/corrections.md)",
+        NON_NEGATIVE,
+        resume=FREE,
+    )
     progress: bool = setting(True, "show a progress bar", resume=FREE)
     logger: str = setting(
         "none",

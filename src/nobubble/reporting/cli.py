@@ -140,6 +140,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sync and plain delayed groups at VALUE, e.g. --reference beta1=0.9: how much of the "
         "delay gap at the default does lowering beta1 close",
     )
+    parser.add_argument(
+        "--allow-mixed-references",
+        action="store_true",
+        help="show a share whose runs come from more than one machine (marked) instead of "
+        "leaving it out; the same run differs between CPUs",
+    )
     parser.add_argument("--title", default="Report", help="heading of report.md")
 
 
@@ -171,6 +177,7 @@ def render(
     figures: Sequence[tuple[str, str]],
     warnings: Sequence[str],
     reference: dict[str, Any] | None = None,
+    allow_mixed: bool = False,
 ) -> str:
     runs = sum(len(r.group.runs) for r in rows)
     diverged = sum(r.group.diverged for r in rows)
@@ -179,7 +186,7 @@ def render(
         f"# {title}",
         f"{counted} in {len(rows)} groups, from: {', '.join(f'`{p}`' for p in inputs)}",
         "## Final validation loss",
-        quality_table(rows),
+        quality_table(rows, allow_mixed),
         QUALITY_NOTE,
     ]
     if downstream is not None:
@@ -192,7 +199,7 @@ def render(
         parts.append(f"## Against the references at {values}")
         referenced = against_references(rows, reference)
         if referenced:
-            parts += [references_table(referenced), REFERENCES_NOTE]
+            parts += [references_table(referenced, allow_mixed), REFERENCES_NOTE]
         else:
             parts.append(
                 "No delayed group differs from these values with both references (sync and "
@@ -200,7 +207,8 @@ def render(
             )
     found = controls(rows)
     if found:
-        parts += ["## Corrections against their controls without a delay", controls_table(found)]
+        table = controls_table(found, allow_mixed)
+        parts += ["## Corrections against their controls without a delay", table]
         parts.append(CONTROLS_NOTE)
     staleness = staleness_table(rows)
     if staleness is not None:
@@ -265,9 +273,12 @@ def run(args: argparse.Namespace) -> int:
     out = make_output_folder(args.out, "--out")
     figures = draw_plots(groups, args.vs, out)
     downstream = downstream_table(rows)
-    text = render(args.title, args.runs, rows, downstream, target, figures, warnings, reference)
+    allow = args.allow_mixed_references
+    text = render(
+        args.title, args.runs, rows, downstream, target, figures, warnings, reference, allow
+    )
     (out / "report.md").write_text(text)
-    print(quality_table(rows))
+    print(quality_table(rows, allow))
     if downstream is not None:
         print("\n" + downstream)
     if target is not None:

@@ -8,7 +8,9 @@ group with a correction is also compared with the same group without it: the sha
 plain run's gap the correction closes, and, where the same correction ran under a synchronous
 schedule too, with that control: what the correction costs without a delay, apart from what it
 does to the delay (:func:`controls`). A group's staleness (weight drift, gradient cosine:
-:mod:`nobubble.staleness`) is set beside its gap (:func:`rank_correlation`).
+:mod:`nobubble.staleness`) is set beside its gap (:func:`rank_correlation`). A share knows the
+machines and code versions of the runs it pools (:func:`origins`): the same run differs between
+CPUs, so a share whose references were made elsewhere is not the same measurement.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +198,48 @@ def varied_keys(groups: Sequence[Group], exclude: Sequence[str] = ()) -> list[st
 
 
 @dataclass(frozen=True)
+class Origins:
+    """The machines and code versions (:attr:`Run.machine`, :attr:`Run.code`) of a share's own
+    group and of the groups it is set against, each in the order first met."""
+
+    machines: tuple[str, ...]
+    reference_machines: tuple[str, ...]
+    code: tuple[str, ...]
+    reference_code: tuple[str, ...]
+
+    @property
+    def machines_differ(self) -> bool:
+        """More than one machine among them (a run that records none counts as another)."""
+        return len({*self.machines, *self.reference_machines}) > 1
+
+    @property
+    def code_differs(self) -> bool:
+        return len({*self.code, *self.reference_code}) > 1
+
+
+def origins(group: Group, references: Sequence[Group]) -> Origins | None:
+    """Where ``group``'s runs and those of ``references`` were made; None when all on one
+    machine by one code version (or when none of them records either)."""
+    theirs = [run for other in references for run in other.runs]
+    found = Origins(
+        _distinct(run.machine for run in group.runs),
+        _distinct(run.machine for run in theirs),
+        _distinct(run.code for run in group.runs),
+        _distinct(run.code for run in theirs),
+    )
+    return found if found.machines_differ or found.code_differs else None
+
+
+def _distinct(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(values))
+
+
+def _groups(found: Iterable[Group | None]) -> tuple[Group, ...]:
+    """The distinct groups among ``found`` (a row without a baseline has None)."""
+    return tuple({id(g): g for g in found if g is not None}.values())
+
+
+@dataclass(frozen=True)
 class Comparison:
     """One group's row: its delay gap to the synchronous baseline and, for a group with a
     correction, the share of the plain delayed group's gap the correction closes."""
@@ -206,6 +250,12 @@ class Comparison:
     gap_se: float | None  # standard error of that difference
     closed: float | None = None  # (gap of 2bw - gap of 2bw+correction) / gap of 2bw
     closed_unclear: bool = False  # a correction whose plain run has no clear gap to close
+    references: tuple[Group, ...] = ()  # the groups ``closed`` sets this one against
+
+    @property
+    def closed_origins(self) -> Origins | None:
+        """Where the runs of ``closed`` were made, if not all on one machine by one code."""
+        return origins(self.group, self.references) if self.closed is not None else None
 
     @property
     def gap_is_clear(self) -> bool:
@@ -269,7 +319,10 @@ def _with_closed_share(row: Comparison, rows: Sequence[Comparison]) -> Compariso
         return row  # no share of a gap that is infinite (a diverged group) or unknown
     if not plain.gap_is_clear:
         return dataclasses.replace(row, closed_unclear=True)
-    return dataclasses.replace(row, closed=(plain.gap - row.gap) / plain.gap)
+    references = (row.baseline, plain.group, plain.baseline)
+    return dataclasses.replace(
+        row, closed=(plain.gap - row.gap) / plain.gap, references=_groups(references)
+    )
 
 
 def compare(groups: Sequence[Group]) -> list[Comparison]:
@@ -304,6 +357,12 @@ class Control:
         if self.plain.gap is None or not self.plain.gap_is_clear:
             return None
         return 1 - self.delay_cost / self.plain.gap
+
+    @property
+    def removed_origins(self) -> Origins | None:
+        """Where the runs of ``removed`` were made, if not all on one machine by one code."""
+        references = (self.control.group, self.plain.group, self.plain.baseline)
+        return origins(self.row.group, _groups(references))
 
 
 def controls(rows: Sequence[Comparison]) -> list[Control]:
@@ -351,6 +410,12 @@ class Referenced:
         if self.plain.gap is None or not self.plain.gap_is_clear:
             return None
         return (self.plain.gap - self.gap) / self.plain.gap
+
+    @property
+    def closed_origins(self) -> Origins | None:
+        """Where the runs of ``closed`` were made, if not all on one machine by one code."""
+        references = (self.sync.group, self.plain.group, self.plain.baseline)
+        return origins(self.row.group, _groups(references))
 
 
 def against_references(rows: Sequence[Comparison], reference: dict[str, Any]) -> list[Referenced]:

@@ -40,6 +40,9 @@ NON_RESULT_KEYS = (
 )
 
 
+NOT_RECORDED = "not recorded"  # a run's machine or code, in the summary of an older version
+
+
 class ReportError(ConfigError):
     """Run folders that cannot be reported on; the message says which and why."""
 
@@ -98,6 +101,27 @@ class Run:
     @property
     def diverged(self) -> bool:
         return self.final_loss == math.inf
+
+    @property
+    def machine(self) -> str:
+        """The machine its summary.json records (:func:`nobubble.provenance.machine`), in words;
+        ``NOT_RECORDED`` for a run of a version that did not record it."""
+        found = self.summary.get("machine")
+        if not isinstance(found, dict):
+            return NOT_RECORDED
+        cpu = f"{found.get('cpus')} CPUs {found.get('cpu_capability')}"
+        host = f"{found.get('cpu')} ({cpu})"
+        return f"{found['gpu']} on {host}" if found.get("gpu") else host
+
+    @property
+    def code(self) -> str:
+        """The code version its summary.json records: nobubble's commit and torch's version;
+        ``NOT_RECORDED`` for a run of a version that did not record it."""
+        found = self.summary.get("code")
+        if not isinstance(found, dict):
+            return NOT_RECORDED
+        commit = found.get("nobubble") or "(not a checkout)"
+        return f"nobubble {commit} (torch {found.get('torch')})"
 
 
 def _number(value: Any) -> bool:

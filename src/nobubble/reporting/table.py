@@ -1,5 +1,7 @@
 """Markdown tables: final quality per group with its delay gap, downstream scores, time to
-target, staleness beside the gap, and each correction against its control without a delay."""
+target, staleness beside the gap, and each correction against its control without a delay. A
+share whose runs were not all made on one machine by one code version is marked, and left out
+when the machines differ (:class:`Marks`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from nobubble.reporting.groups import (
     Comparison,
     Control,
     Group,
+    Origins,
     Referenced,
     Stat,
     rank_correlation,
@@ -75,9 +78,61 @@ def fmt_share(share: float | None) -> str:
     return "—" if share is None else f"{100 * share:.0f}%"
 
 
-def fmt_closed(row: Comparison) -> str:
+class Marks:
+    """The marks (†1, †2, ...) of one table's shares whose runs were not all made on one machine
+    by one code version, one per distinct :class:`Origins`, and the note saying what each stands
+    for. A share pooling more than one machine's runs is left out unless ``allow_mixed``: float
+    rounding differs between CPUs, so the same run there is another measurement."""
+
+    def __init__(self, allow_mixed: bool) -> None:
+        self.allow_mixed = allow_mixed
+        self.found: dict[Origins, int] = {}
+
+    def share(self, share: float | None, origins: Origins | None) -> str:
+        """``share`` as a percentage, marked (or left out) when its runs are mixed."""
+        if share is None or origins is None:
+            return fmt_share(share)
+        mark = f"†{self.found.setdefault(origins, len(self.found) + 1)}"
+        if self.withheld(origins):
+            return f"— (other machine {mark})"
+        return f"{fmt_share(share)} {mark}"
+
+    def withheld(self, origins: Origins) -> bool:
+        return origins.machines_differ and not self.allow_mixed
+
+    def note(self) -> str | None:
+        """What each mark stands for; None without any."""
+        if not self.found:
+            return None
+        lines = [
+            f"†{mark}: the group's runs: machine {_listed(o.machines)}; code {_listed(o.code)}. "
+            f"The runs it is set against: machine {_listed(o.reference_machines)}; code "
+            f"{_listed(o.reference_code)}."
+            for o, mark in self.found.items()
+        ]
+        if any(self.withheld(o) for o in self.found):
+            lines.append(
+                "A share *other machine* pools runs of more than one machine (one that records "
+                "none counts as another) and is left out: float rounding differs between CPUs, "
+                "so the same run there is another measurement. `--allow-mixed-references` shows "
+                "it, marked."
+            )
+        return "\n\n".join(lines)
+
+
+def _listed(values: Sequence[str]) -> str:
+    return " and ".join(values)
+
+
+def with_note(table: str, marks: Marks) -> str:
+    """``table`` followed by what its marks stand for."""
+    note = marks.note()
+    return table if note is None else f"{table}\n\n{note}"
+
+
+def fmt_closed(row: Comparison, marks: Marks) -> str:
     if row.closed is not None:
-        return f"{100 * row.closed:.0f}%"
+        return marks.share(row.closed, row.closed_origins)
     return "— (no clear gap)" if row.closed_unclear else ""
 
 
@@ -90,8 +145,9 @@ def _who_header(keys: Sequence[str]) -> list[str]:
     return ["optimizer", "setup"] + (["settings"] if keys else [])
 
 
-def quality_table(rows: Sequence[Comparison]) -> str:
+def quality_table(rows: Sequence[Comparison], allow_mixed: bool = False) -> str:
     keys = varied_keys([r.group for r in rows], exclude=COLUMN_KEYS)
+    marks = Marks(allow_mixed)
     header = [*_who_header(keys), "seeds", "val loss", "val bpb", "gap vs sync", "gap closed"]
     body = [
         [
@@ -100,11 +156,11 @@ def quality_table(rows: Sequence[Comparison]) -> str:
             fmt_final(r.group),
             fmt_stat(r.group.bpb) if math.isfinite(r.group.bpb.mean) else "—",
             fmt_gap(r),
-            fmt_closed(r),
+            fmt_closed(r, marks),
         ]
         for r in rows
     ]
-    return markdown_table(header, body)
+    return with_note(markdown_table(header, body), marks)
 
 
 def fmt_score(group: Group, column: Column) -> str:
@@ -255,9 +311,10 @@ def staleness_gap_correlation(
     return None if rho is None else (rho, len(pairs))
 
 
-def references_table(found: Sequence[Referenced]) -> str:
+def references_table(found: Sequence[Referenced], allow_mixed: bool = False) -> str:
     """Each delayed group against the reference synchronous and delayed groups."""
     keys = varied_keys([r.row.group for r in found], exclude=COLUMN_KEYS)
+    marks = Marks(allow_mixed)
     header = [
         *_who_header(keys),
         "seeds",
@@ -275,19 +332,20 @@ def references_table(found: Sequence[Referenced]) -> str:
             fmt_stat(r.sync.group.loss),
             fmt_difference(r.gap, r.gap_se),
             fmt_gap(r.plain),
-            fmt_share(r.closed),
+            marks.share(r.closed, r.closed_origins),
         ]
         for r in found
     ]
-    return markdown_table(header, body)
+    return with_note(markdown_table(header, body), marks)
 
 
-def controls_table(found: Sequence[Control]) -> str | None:
+def controls_table(found: Sequence[Control], allow_mixed: bool = False) -> str | None:
     """Each correction's cost without a delay apart from the delay's cost with it; None without
     any control."""
     if not found:
         return None
     keys = varied_keys([c.row.group for c in found], exclude=COLUMN_KEYS)
+    marks = Marks(allow_mixed)
     header = [
         *_who_header(keys),
         "control",
@@ -305,8 +363,8 @@ def controls_table(found: Sequence[Control]) -> str | None:
             fmt_gap(c.row),
             f"{c.delay_cost:+.4f}",
             fmt_gap(c.plain),
-            fmt_share(c.removed),
+            marks.share(c.removed, c.removed_origins),
         ]
         for c in found
     ]
-    return markdown_table(header, body)
+    return with_note(markdown_table(header, body), marks)

@@ -14,7 +14,7 @@ from nobubble.evaluation import EvalSums
 from nobubble.flops import Utilization
 from nobubble.model.moe import routing_metrics
 from nobubble.runfolder import RunFolder
-from nobubble.staleness import COSINE, DRIFT
+from nobubble.staleness import DRIFT
 from nobubble.tracking import Loggers, open_loggers, scalars_of, stage_scalars
 
 
@@ -77,7 +77,7 @@ class StepLogger:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{rate:,.0f}", **flops, refresh=False)
         logged = not self.done % self.cfg.log_every or self.done == self.cfg.steps
-        if not (last or logged or stats.grad_cosine is not None):  # a measurement is kept
+        if not (last or logged or stats.measured):  # a measurement is kept
             return
         self.flush()
         record = {
@@ -92,8 +92,7 @@ class StepLogger:
             record["mfu"] = mfu
         if stats.skipped_stages:
             record["skipped_stages"] = stats.skipped_stages
-        if stats.grad_cosine is not None:
-            record[COSINE] = stats.grad_cosine
+        record.update(stats.measured)
         if stats.routing:
             record.update(routing_metrics(stats.routing))
         self.pending = record
