@@ -27,6 +27,7 @@ from nobubble.reporting.groups import (
     group_runs,
 )
 from nobubble.reporting.runs import ReportError, discover, matches, parse_filter
+from nobubble.reporting.scaling_report import run_scaling
 from nobubble.reporting.table import (
     STALENESS_MEASURES,
     controls_table,
@@ -147,6 +148,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "leaving it out; the same run differs between CPUs",
     )
     parser.add_argument("--title", default="Report", help="heading of report.md")
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="instead: the scaling ladder's report (scaling.md, laws.json and plots): the delay's "
+        "gap and extra steps against model size and tokens, fitted as power laws",
+    )
+    parser.add_argument(
+        "--paper-tokens",
+        type=float,
+        metavar="N",
+        help="with --scaling: the tokens the study trained its 360 M models on, to check the "
+        "laws against its table (docs/experiments.md)",
+    )
 
 
 def draw_plots(groups: Sequence[Group], vs: Sequence[str], out: Path) -> list[tuple[str, str]]:
@@ -248,6 +262,10 @@ def parse_reference(texts: Sequence[str]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scaling:
+        return run_scaling(args)
+    if args.paper_tokens is not None:
+        raise ReportError("--paper-tokens goes with --scaling")
     for key in args.vs:
         if key not in FIELDS:
             raise unknown_key_error(key)
