@@ -18,7 +18,7 @@ from nobubble.reporting.plots import final_limits, plot_curves
 from nobubble.reporting.runs import EvalPoint, ReportError, discover
 from nobubble.reporting.table import settings_label
 from nobubble.reporting.target import target_rows, time_to_reach
-from nobubble.staleness import COSINE, DRIFT
+from nobubble.staleness import APPLIED_COSINE, APPLIED_ERROR, COSINE, DRIFT
 from tests.pipeline_helpers import SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -443,10 +443,48 @@ def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
         if line.startswith("| adamw")
     }
     assert "sync" not in rows  # nothing drifts without a delay
-    assert rows["2bw"][4:8] == ["0.0200", "0.0100", "0.9000", "+0.4000"]
+    assert rows["2bw"][4:10] == ["0.0200", "0.0100", "0.9000", "—", "—", "+0.4000"]
     assert rows["pipedream"][4:6] == ["0.0400", "0.0400"]
     assert rows["2bw+predict"][6] == "0.7000"
     # drift 0.01, 0.02, 0.02, 0.04 against gaps 0.2, 0.3, 0.4, 0.6: ranks 1, 2.5, 2.5, 4
     assert "mean weight drift and its gap vs sync, over the 4 groups with both: +0.95." in staleness
     # cosine 0.5, 0.7, 0.9 against gaps 0.2, 0.3, 0.4
     assert "gradient cosine and its gap vs sync, over the 3 groups with both: +1.00." in staleness
+
+
+def test_the_applied_step_error_beside_the_gap_and_its_rank_correlation(tmp_path):
+    """A group's applied-step error and cosine: over each run's measurements of the mean over
+    the model stages; sync's (zero) is shown beside its baseline, and correlated with no gap."""
+    lines = {
+        make_run(tmp_path, 2.0, schedule="sync"): [([0.0, 0.0], [1.0, 1.0])],
+        make_run(tmp_path, 2.4, schedule="2bw"): [([0.3, 0.5], [0.9, 0.8]), ([0.2], [0.9])],
+        make_run(tmp_path, 2.2, schedule="2bw", ef=True): [([0.2], [0.95])],
+        make_run(tmp_path, 2.3, schedule="2bw", correction="predict"): [([0.1], [0.7])],
+    }
+    for run, measured in lines.items():
+        with (run / "metrics.jsonl").open("a") as metrics:  # as applied_error_every writes them
+            for step, (errors, cosines) in enumerate(measured, 1):
+                line = {"step": step, APPLIED_ERROR: errors, APPLIED_COSINE: cosines}
+                metrics.write(json.dumps(line) + "\n")
+    assert call(str(tmp_path), "--out", str(tmp_path / "out")) == 0
+    staleness = (tmp_path / "out" / "report.md").read_text().split("## Staleness")[1]
+    header = next(line for line in staleness.splitlines() if line.startswith("| optim"))
+    assert "| applied-step error | applied-step cosine | gap vs sync |" in header
+    rows = {
+        line.split("|")[2].strip(): [c.strip() for c in line.split("|")[1:-1]][-3:]
+        for line in staleness.splitlines()
+        if line.startswith("| adamw")
+    }
+    assert rows == {
+        "sync": ["0.0000", "1.0000", "baseline"],
+        "2bw": ["0.3000", "0.8750", "+0.4000"],  # error (0.4 + 0.2) / 2, cosine (0.85 + 0.9) / 2
+        "2bw+EF": ["0.2000", "0.9500", "+0.2000"],
+        "2bw+predict": ["0.1000", "0.7000", "+0.3000"],
+    }
+    # error 0.1, 0.2, 0.3 against gaps 0.3, 0.2, 0.4; cosine 0.7, 0.95, 0.875
+    assert (
+        "applied-step error and its gap vs sync, over the 3 groups with both: +0.50." in staleness
+    )
+    assert (
+        "applied-step cosine and its gap vs sync, over the 3 groups with both: -0.50." in staleness
+    )

@@ -83,9 +83,12 @@ STALENESS_NOTE = """*weight drift*: ‖w[t] − w[t−d]‖ / ‖w[t]‖ of each
 evaluation (the distance from the weights its gradients are computed at to its newest ones), \
 averaged over the model stages with a delay; *mean*: over a run's evaluations after the first \
 update, *end*: at its last; mean ± std over the seeds that recorded it. *gradient cosine*: \
-between the delayed gradient and the fresh one on the same batch, every `staleness_every` steps \
-(one-process engine), averaged over a run's measurements (docs/corrections.md, "Staleness you \
-can see")."""
+between the delayed gradient and the fresh one on the same batch, every `staleness_every` steps; \
+*applied-step error* and *cosine*: ‖Δa − Δf‖ / ‖Δf‖ and cos(Δa, Δf) of the update a step \
+applied, Δa = w[t+1] − w[t], and the one the same optimizer and correction state would have \
+applied from the fresh gradient, Δf, every `applied_error_every` steps (zero under sync); each \
+in the one-process engine, averaged over the model stages and a run's measurements \
+(docs/corrections.md, "Staleness you can see")."""
 
 REFERENCES_NOTE = """Each delayed group whose settings differ from the reference values beside \
 the synchronous and the plain delayed groups (no correction) at the reference values and \

@@ -7,7 +7,7 @@ others, and the delay gap of a group is its mean final validation loss minus the
 group with a correction is also compared with the same group without it: the share of that
 plain run's gap the correction closes, and, where the same correction ran under a synchronous
 schedule too, with that control: what the correction costs without a delay, apart from what it
-does to the delay (:func:`controls`). A group's staleness (weight drift, gradient cosine:
+does to the delay (:func:`controls`). A group's staleness (drift, cosines, applied-step error:
 :mod:`nobubble.staleness`) is set beside its gap (:func:`rank_correlation`). A share knows the
 machines and code versions of the runs it pools (:func:`origins`): the same run differs between
 CPUs, so a share whose references were made elsewhere is not the same measurement.
@@ -143,10 +143,10 @@ class Group:
         ]
         return Stat.of_known(last)
 
-    @property
-    def cosine(self) -> Stat | None:
-        """Each run's gradient cosine (``staleness_every``) averaged over its measurements."""
-        return Stat.of_known([_mean([c for _, c in run.cosines]) for run in self.runs])
+    def measured(self, key: str) -> Stat | None:
+        """Each run's measure ``key`` taken every N steps (:data:`nobubble.staleness.STEP_MEASURES`:
+        the gradient cosine, the applied-step error and cosine) averaged over its measurements."""
+        return Stat.of_known([_mean([v for _, v in r.measured.get(key, ())]) for r in self.runs])
 
     def without(self, *keys: str) -> dict[str, Any]:
         return {k: v for k, v in self.settings.items() if k not in keys}

@@ -1,6 +1,7 @@
 """Reading run folders: config.json, summary.json, the eval lines of metrics.jsonl (with the
-weight drift, and the gradient cosines where measured: :mod:`nobubble.staleness`), and the
-downstream scores of ``nobubble eval`` (``downstream/``) where there are any.
+weight drift, and the gradient cosines and applied-step errors where measured:
+:mod:`nobubble.staleness`), and the downstream scores of ``nobubble eval`` (``downstream/``)
+where there are any.
 
 A run is reported when its summary.json says it finished or diverged: stopped by the non-finite
 policy, or finished with a non-finite loss. A diverged run counts as an infinite final loss, as
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,12 @@ from nobubble.downstream.scores import Column, Score, latest_scores
 from nobubble.files import read_json_lines, read_json_object
 from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
 from nobubble.schedules.registry import SCHEDULES
-from nobubble.staleness import COSINE, DRIFT
+from nobubble.staleness import DRIFT, STEP_MEASURES
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
-# staleness_every only measures (the same steps, with or without it: tests/test_staleness.py);
+# staleness_every and applied_error_every only measure (the same steps, with or without them:
+# tests/test_staleness.py, tests/test_applied_error.py);
 # emulate_nccl only changes how messages travel (bitwise the same run: tests/test_emulated_nccl.py).
 NON_RESULT_KEYS = (
     "out",
@@ -36,6 +38,7 @@ NON_RESULT_KEYS = (
     "p2p_timeout_s",
     "p2p_routes",
     "staleness_every",
+    "applied_error_every",
     "emulate_nccl",
 )
 
@@ -84,7 +87,8 @@ class Run:
     summary: dict[str, Any]
     evals: tuple[EvalPoint, ...]
     downstream: Mapping[Column, Score]  # scores from `nobubble eval` (none if never run)
-    cosines: tuple[tuple[int, float], ...] = ()  # (step, mean gradient cosine over the stages)
+    # the measures taken every N steps (STEP_MEASURES): key -> (step, mean over the stages)
+    measured: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -140,19 +144,20 @@ def stage_mean(values: Any) -> float | None:
 @dataclass(frozen=True)
 class Metrics:
     evals: tuple[EvalPoint, ...]  # by step
-    cosines: tuple[tuple[int, float], ...]  # by step
+    measured: dict[str, tuple[tuple[int, float], ...]]  # by key, then step
     damaged: int  # lines skipped
 
 
 def read_metrics(metrics: Path) -> Metrics:
-    """The evaluations and the gradient cosines metrics.jsonl records, and how many of its lines
-    are damaged (skipped)."""
+    """The evaluations and the measures taken every N steps that metrics.jsonl records, and how
+    many of its lines are damaged (skipped)."""
     lines, damaged = read_json_lines(metrics, "move it out of the run folder to report the run")
-    points, cosines = [], []
+    points, measured = [], {key: [] for key in STEP_MEASURES}
     for _, record in lines:
-        cosine = stage_mean(record.get(COSINE))
-        if cosine is not None and _number(record.get("step")):
-            cosines.append((record["step"], cosine))
+        for key, values in measured.items():
+            mean = stage_mean(record.get(key))
+            if mean is not None and _number(record.get("step")):
+                values.append((record["step"], mean))
         if "val_loss" not in record:
             continue
         fields = (record.get("step"), record["val_loss"], record.get("val_bpb"))
@@ -162,7 +167,8 @@ def read_metrics(metrics: Path) -> Metrics:
         seconds = record.get("train_time_s", math.nan)
         seconds = seconds if _number(seconds) else math.nan
         points.append(EvalPoint(*fields, seconds, stage_mean(record.get(DRIFT))))
-    return Metrics(tuple(sorted(points, key=lambda p: p.step)), tuple(sorted(cosines)), damaged)
+    by_step = {key: tuple(sorted(values)) for key, values in measured.items()}
+    return Metrics(tuple(sorted(points, key=lambda p: p.step)), by_step, damaged)
 
 
 CONFIG_FIX = "restore it to report the run (each checkpoint's shard_0/meta.json holds a copy)"
@@ -173,7 +179,7 @@ def load_run(path: Path, summary: dict[str, Any]) -> tuple[Run, str | None]:
     lines are damaged."""
     metrics = read_metrics(path / "metrics.jsonl")
     config = read_json_object(path / "config.json", CONFIG_FIX)
-    run = Run(path, config, summary, metrics.evals, latest_scores(path), metrics.cosines)
+    run = Run(path, config, summary, metrics.evals, latest_scores(path), metrics.measured)
     if not metrics.damaged:
         return run, None
     return run, f"{path / 'metrics.jsonl'}: skipped {metrics.damaged} damaged line(s)"

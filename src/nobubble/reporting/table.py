@@ -21,6 +21,7 @@ from nobubble.reporting.groups import (
     varied_keys,
 )
 from nobubble.reporting.target import ReverseRow, TargetRow
+from nobubble.staleness import APPLIED_COSINE, APPLIED_ERROR, COSINE, STEP_MEASURES
 
 # shown in their own columns ("setup" names the schedule and the corrections), not under "settings"
 COLUMN_KEYS = ("optim", "schedule", "correction", "ef")
@@ -262,9 +263,13 @@ def _fmt_known(stat: Stat | None) -> str:
 
 
 def staleness_table(rows: Sequence[Comparison]) -> str | None:
-    """Each group's weight drift (mean over training, and at the end) and gradient cosine
-    beside its gap; None when no run recorded any."""
-    found = [r for r in rows if r.group.drift is not None or r.group.cosine is not None]
+    """Each group's weight drift (mean over training, and at the end), gradient cosine and
+    applied-step error and cosine beside its gap; None when no run recorded any."""
+    found = [
+        r
+        for r in rows
+        if r.group.drift is not None or any(r.group.measured(k) is not None for k in STEP_MEASURES)
+    ]
     if not found:
         return None
     keys = varied_keys([r.group for r in found], exclude=COLUMN_KEYS)
@@ -274,6 +279,8 @@ def staleness_table(rows: Sequence[Comparison]) -> str | None:
         "weight drift (mean)",
         "weight drift (end)",
         "gradient cosine",
+        "applied-step error",
+        "applied-step cosine",
         "gap vs sync",
     ]
     body = [
@@ -282,7 +289,7 @@ def staleness_table(rows: Sequence[Comparison]) -> str | None:
             str(len(r.group.runs)),
             _fmt_known(r.group.drift),
             _fmt_known(r.group.final_drift),
-            _fmt_known(r.group.cosine),
+            *(_fmt_known(r.group.measured(k)) for k in STEP_MEASURES),
             fmt_gap(r),
         ]
         for r in found
@@ -292,7 +299,9 @@ def staleness_table(rows: Sequence[Comparison]) -> str | None:
 
 STALENESS_MEASURES: dict[str, Callable[[Group], Stat | None]] = {
     "mean weight drift": lambda group: group.drift,
-    "gradient cosine": lambda group: group.cosine,
+    "gradient cosine": lambda group: group.measured(COSINE),
+    "applied-step error": lambda group: group.measured(APPLIED_ERROR),
+    "applied-step cosine": lambda group: group.measured(APPLIED_COSINE),
 }
 
 
