@@ -69,9 +69,8 @@ def setup_of(settings: dict) -> str:
 def size_and_tokens(settings: dict) -> tuple[int, int]:
     """A run's non-embedding parameters and the tokens it trains on."""
     mc = model_config(TrainConfig(**settings), tokenizer_vocab=1)  # the vocabulary is not counted
-    return non_embedding_parameters(mc), settings["steps"] * settings["batch_size"] * settings[
-        "seq_len"
-    ]
+    tokens = settings["steps"] * settings["batch_size"] * settings["seq_len"]
+    return non_embedding_parameters(mc), tokens
 
 
 def curve(run: Run) -> list[tuple[float, float]]:

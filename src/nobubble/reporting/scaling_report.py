@@ -114,9 +114,7 @@ def loss_table(points: dict[PointKey, list[Pair]]) -> str:
 
 def penalty_table(points: dict[PointKey, list[Pair]]) -> str:
     rows = []
-    order = sorted(points, key=lambda k: (k[0], k[1], k[2], k[3]))
-    for key in order:
-        members = points[key]
+    for key, members in points.items():  # by optimizer, setup, size, tokens
         penalties = [p.penalty for p in members]
         s = Stat.of_known([q.sync_steps for q in penalties])
         excess = Stat.of_known([q.excess_steps for q in penalties])
