@@ -37,38 +37,41 @@ CHOICES: dict[tuple[str, str], Measured] = {
     ("adamw", "2bw"): Measured(
         "ef",
         {"ef_gamma": 2.0},
-        "closes 68% of the 2bw gap at 300 steps, 69% again in round two and 64% on unseen seeds; "
-        "at 1,200 steps 79%, and 82% on unseen seeds (γ = 1.5: 64-67%; predict: 60%, and 71% at "
-        "1,200 steps)",
+        "closes 68% of the 2bw gap at 300 steps, 70% again in round two (against its machine's "
+        "references) and 64% on unseen seeds; at 1,200 steps 79%, and 82% on unseen seeds "
+        "(γ = 1.5: 64-67%; predict: 60%, and 71% at 1,200 steps)",
         "phases ef_gamma, ef_strong, gamma_all and longer_gamma, docs/results.md sections 12 "
         "and 15",
     ),
     ("muon", "2bw"): Measured(
         "ef",
         {"ef_gamma": 1.5},
-        "closes 57% of the 2bw gap at 300 steps, 53% in round two and 58% on unseen seeds; 49% "
-        "at 1,200 steps on unseen seeds (γ = 1.25-1.75 within 2 points of each other at 300 steps, "
-        "γ = 1.75 71% at 1,200 on the tuning seeds; γ = 2: 48-50%; ef+predict: 55%)",
+        "closes 57% of the 2bw gap at 300 steps, 52% in round two (against its machine's "
+        "references) and 58% on unseen seeds; 49% at 1,200 steps on unseen seeds (γ = 1.25-1.75 "
+        "within 2 points of each other at 300 steps, γ = 1.75 65% at 1,200 on the tuning seeds; "
+        "γ = 2: 46-50%; ef+predict: 55%)",
         "phases ef_gamma, ef_strong, gamma_all and longer_gamma, docs/results.md sections 12 "
         "and 15",
     ),
     ("mars", "2bw"): Measured(
         "ef+predict",
         {"ef_gamma": 1.0},
-        "closes 65% of the 2bw gap at 300 steps (EF alone: 53%, at γ = 1.5 and 2: 62%)",
+        "closes 65% of the 2bw gap at 300 steps (EF alone: 53%; at γ = 1.5 and 2: 63% and 64% "
+        "on round two's machine, where EF alone closes 54%)",
         "phases main, corrections and gamma_others, docs/results.md sections 9 and 15",
     ),
     ("soap", "2bw"): Measured(
         "ef+predict",
         {"ef_gamma": 1.0},
-        "closes 58% of the 2bw gap at 300 steps (EF alone: 41%, at γ = 1.5: 50%, at 2: 49%)",
+        "closes 58% of the 2bw gap at 300 steps (EF alone: 41%; at γ = 1.5: 47%, at 2: 46% on "
+        "round two's machine, where EF alone closes 45%)",
         "phases main, corrections and gamma_others, docs/results.md sections 9 and 15",
     ),
     ("adan", "2bw"): Measured(
         "ef",
         {"ef_gamma": 1.5},
-        "closes 45% of the 2bw gap at 300 steps (predict: 43%, EF at γ = 1: 42%, at γ = 2: 38%; "
-        "all within the seeds' noise of each other)",
+        "closes 47% of the 2bw gap at 300 steps (predict: 43%, EF at γ = 1: 42-43%, at γ = 2: "
+        "39%; all within the seeds' noise of each other)",
         "phases main, corrections and gamma_others, docs/results.md sections 9 and 15",
     ),
     ("nadamw", "2bw"): Measured(
@@ -80,7 +83,8 @@ CHOICES: dict[tuple[str, str], Measured] = {
     ("lion", "2bw"): Measured(
         "ef",
         {"ef_gamma": 1.0},
-        "closes 26% of the 2bw gap at 300 steps (predict: 20%; EF at γ = 1.5: 13%, at 2: 16%)",
+        "closes 26% of the 2bw gap at 300 steps, 34% on round two's machine (predict: 20%; EF at "
+        "γ = 1.5: 12%, at 2: 15%)",
         "phases main, corrections and gamma_others, docs/results.md sections 9 and 15",
     ),
     ("adamw", "pipedream"): Measured(
