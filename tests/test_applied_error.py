@@ -10,47 +10,16 @@ import pytest
 import torch
 
 from nobubble.cli import main, warn_unused_settings
-from nobubble.config import ConfigError, TrainConfig
+from nobubble.config import ConfigError
 from nobubble.configure import build_config
 from nobubble.corrections.registry import REGISTRY
-from nobubble.one_process import DelayedTrainer
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.staleness import APPLIED_COSINE, APPLIED_ERROR, applied_error
 from nobubble.tracking import scalars_of
 from nobubble.unused import UnusedSettingWarning
 from nobubble.update import TrainedStage
 from tests.pipeline_helpers import SMALL, assert_same_run
-
-LR = 0.5
-
-
-def _toy(delays: list[int], **settings) -> DelayedTrainer:
-    """Each stage one 2-vector w with loss ½(2·w₀² + 0.5·w₁²): gradient (2·w₀, 0.5·w₁); plain
-    SGD at lr 0.5, no clipping, measured at every step."""
-    cfg = TrainConfig(
-        optim="sgd",
-        lr=LR,
-        momentum=0.0,
-        weight_decay=0.0,
-        warmup_steps=0,
-        lr_schedule="constant",
-        grad_clip=0.0,
-        applied_error_every=1,
-        **settings,
-    )
-    params = [
-        {f"w{s}": torch.nn.Parameter(torch.tensor([1.0, -2.0]).double())}
-        for s in range(len(delays))
-    ]
-
-    def micro_loss(weights, micro):
-        return sum(0.5 * (2 * w[0] ** 2 + 0.5 * w[1] ** 2) for w in weights.values())
-
-    return DelayedTrainer(params, delays, micro_loss, cfg)
-
-
-def _grad(w: list[float]) -> list[float]:
-    return [2 * w[0], 0.5 * w[1]]
+from tests.quadratic_toy import LR, quadratic_grad, quadratic_trainer
 
 
 def _by_hand(applied: list[float], fresh: list[float]) -> tuple[float, float]:
@@ -63,12 +32,12 @@ def _by_hand(applied: list[float], fresh: list[float]) -> tuple[float, float]:
 def test_the_applied_error_under_sgd_on_a_toy_by_hand():
     """Stage 0 with delay 1 (2bw's): Δa = -lr·g(w[t-1]), Δf = -lr·g(w[t]); stage 1 without a
     delay, whose gradient is the fresh one: error 0, cosine 1."""
-    trainer = _toy([1, 0])
+    trainer = quadratic_trainer([1, 0], applied_error_every=1)
     w = [[1.0, -2.0]]  # stage 0's trajectory
     for t in range(5):
         stats = trainer.train_step([torch.zeros(1)])
-        applied = [-LR * g for g in _grad(w[max(t - 1, 0)])]
-        fresh = [-LR * g for g in _grad(w[t])]
+        applied = [-LR * g for g in quadratic_grad(w[max(t - 1, 0)])]
+        fresh = [-LR * g for g in quadratic_grad(w[t])]
         w.append([x + d for x, d in zip(w[t], applied, strict=True)])
         error, cosine = _by_hand(applied, fresh)
         assert stats.measured[APPLIED_ERROR] == [pytest.approx(error, rel=1e-12, abs=1e-15), 0.0]
@@ -82,12 +51,12 @@ def test_error_feedback_acts_on_both_updates_by_hand():
     the gradient the step is given: the delayed one for Δa, the fresh one for Δf, from the same
     u[t-1] (the run's)."""
     gamma = 1.5
-    trainer = _toy([1], correction="ef", ef_gamma=gamma)
+    trainer = quadratic_trainer([1], applied_error_every=1, correction="ef", ef_gamma=gamma)
     w, previous = [[1.0, -2.0]], [0.0, 0.0]
     for t in range(5):
         stats = trainer.train_step([torch.zeros(1)])
-        base = [-LR * g for g in _grad(w[max(t - 1, 0)])]
-        would = [-LR * g for g in _grad(w[t])]
+        base = [-LR * g for g in quadratic_grad(w[max(t - 1, 0)])]
+        would = [-LR * g for g in quadratic_grad(w[t])]
         applied = [(1 + gamma) * u - gamma * p for u, p in zip(base, previous, strict=True)]
         fresh = [(1 + gamma) * u - gamma * p for u, p in zip(would, previous, strict=True)]
         w.append([x + d for x, d in zip(w[t], applied, strict=True)])

@@ -10,14 +10,13 @@ import torch
 
 from nobubble.checkpoint.files import CheckpointReader, newest_weights
 from nobubble.cli import main, warn_unused_settings
-from nobubble.config import TrainConfig
 from nobubble.configure import build_config
-from nobubble.one_process import DelayedTrainer
 from nobubble.staleness import COSINE, DRIFT, weight_drift
 from nobubble.tracking import scalars_of
 from nobubble.unused import UnusedSettingWarning
 from nobubble.versions import VersionStore
 from tests.pipeline_helpers import SMALL
+from tests.quadratic_toy import quadratic_grad, quadratic_trainer
 
 
 def test_weight_drift_by_hand():
@@ -36,34 +35,6 @@ def test_weight_drift_by_hand():
     assert weight_drift(store, 0) is None  # no delay: it reads the newest weights
 
 
-def _toy(delays: list[int], every: int) -> DelayedTrainer:
-    """Each stage one 2-vector w with loss ½(2·w₀² + 0.5·w₁²): gradient (2·w₀, 0.5·w₁); plain
-    SGD at lr 0.5."""
-    cfg = TrainConfig(
-        optim="sgd",
-        lr=0.5,
-        momentum=0.0,
-        weight_decay=0.0,
-        warmup_steps=0,
-        lr_schedule="constant",
-        grad_clip=0.0,
-        staleness_every=every,
-    )
-    params = [
-        {f"w{s}": torch.nn.Parameter(torch.tensor([1.0, -2.0]).double())}
-        for s in range(len(delays))
-    ]
-
-    def micro_loss(weights, micro):
-        return sum(0.5 * (2 * w[0] ** 2 + 0.5 * w[1] ** 2) for w in weights.values())
-
-    return DelayedTrainer(params, delays, micro_loss, cfg)
-
-
-def _grad(w: list[float]) -> list[float]:
-    return [2 * w[0], 0.5 * w[1]]
-
-
 def _cos(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True)) / math.hypot(*a) / math.hypot(*b)
 
@@ -71,15 +42,15 @@ def _cos(a: list[float], b: list[float]) -> float:
 def test_the_gradient_cosine_on_a_toy_by_hand():
     """Stage 0 with delay 1 (2bw's), stage 1 with none (pipedream's last): the delayed gradient
     at w[t-1] against the fresh one at w[t], measured every second step."""
-    trainer = _toy([1, 0], every=2)
+    trainer = quadratic_trainer([1, 0], staleness_every=2)
     w, stats = [[1.0, -2.0]], []  # stage 0's trajectory: w[t+1] = w[t] - 0.5·g(w[t-1])
     for t in range(5):
         stats.append(trainer.train_step([torch.zeros(1)]))
-        g = _grad(w[max(t - 1, 0)])
+        g = quadratic_grad(w[max(t - 1, 0)])
         w.append([x - 0.5 * gi for x, gi in zip(w[t], g, strict=True)])
     assert [COSINE in s.measured for s in stats] == [False, True, False, True, False]
     for t in (1, 3):
-        expected = _cos(_grad(w[t - 1]), _grad(w[t]))
+        expected = _cos(quadratic_grad(w[t - 1]), quadratic_grad(w[t]))
         assert stats[t].measured == {COSINE: [pytest.approx(expected, rel=1e-12), None]}
     assert stats[1].measured[COSINE][0] < 0.99  # the two really differ here
     final = trainer.stages[0].params["w0"].tolist()
