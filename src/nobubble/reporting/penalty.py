@@ -26,8 +26,8 @@ Curve = Sequence[tuple[float, float]]  # (step, validation loss), by step
 
 
 def first_reach(curve: Curve, target: float) -> float | None:
-    """The step at which ``curve`` first falls to ``target`` or below, interpolated linearly
-    between evaluations; None if it never does."""
+    """Where ``curve`` first falls to ``target`` or below (its first coordinate: a step, or a
+    time), interpolated linearly between evaluations; None if it never does."""
     previous: tuple[float, float] | None = None
     for step, loss in curve:
         if loss <= target:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nobubble.reporting.groups import Comparison, Group, Stat
+from nobubble.reporting.penalty import first_reach
 from nobubble.reporting.runs import EvalPoint
 
 
@@ -47,15 +48,7 @@ class ReverseRow:
 
 def time_to_reach(evals: Sequence[EvalPoint], target: float) -> float | None:
     """Interpolated training time at which the validation loss first reaches ``target``."""
-    previous: EvalPoint | None = None
-    for point in evals:
-        if point.val_loss <= target:
-            if previous is None:
-                return point.train_time_s
-            fraction = (previous.val_loss - target) / (previous.val_loss - point.val_loss)
-            return previous.train_time_s + fraction * (point.train_time_s - previous.train_time_s)
-        previous = point
-    return None
+    return first_reach([(point.train_time_s, point.val_loss) for point in evals], target)
 
 
 def times_to_reach(group: Group, target: float) -> Stat | None:
