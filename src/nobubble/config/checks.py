@@ -3,13 +3,9 @@ the profiled steps, and that the batch divides into microbatches and replicas.""
 
 from __future__ import annotations
 
-import math
-import types
-import typing
-
-from nobubble.config.fields import ConfigError, Range, check_choice
+from nobubble.config.fields import ConfigError, check_choice
 from nobubble.config.logging import chosen_loggers
-from nobubble.config.schema import FIELDS, HINTS, TrainConfig
+from nobubble.config.schema import FIELDS, TrainConfig
 
 
 def check_schema(cfg: TrainConfig) -> None:
@@ -41,21 +37,9 @@ def _check_numbers(cfg: TrainConfig) -> None:
             continue
         value = getattr(cfg, key)
         for number in value if isinstance(value, list) else [value]:
-            if number is not None and not (math.isfinite(number) and number in accepted):
-                raise ConfigError(f"{key} must be {_accepted(key, accepted)}, got {number!r}")
-
-
-def _accepted(key: str, accepted: Range) -> str:
-    """The range in words; a float range open to infinity also says that inf is out."""
-    if accepted.high == math.inf and _is_float(HINTS[key]):
-        return f"{accepted} and finite"
-    return str(accepted)
-
-
-def _is_float(hint: typing.Any) -> bool:
-    if isinstance(hint, types.UnionType):
-        return float in typing.get_args(hint)
-    return hint is float
+            refusal = None if number is None else accepted.refusal(number)
+            if refusal:
+                raise ConfigError(f"{key} {refusal}")
 
 
 def profile_range(cfg: TrainConfig) -> range | None:

@@ -22,17 +22,28 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Range:
-    """The values a numeric key accepts: ``low`` to ``high``, each bound open or closed."""
+    """The values a numeric key or flag accepts: ``low`` to ``high``, each bound open or closed;
+    ``why``: why a limit is there, said with a refusal (where the range alone does not say)."""
 
     low: float
     high: float = math.inf
     low_open: bool = False
     high_open: bool = True
+    why: str = ""
 
     def __contains__(self, value: float) -> bool:
         above = value > self.low if self.low_open else value >= self.low
         below = value < self.high if self.high_open else value <= self.high
         return above and below
+
+    def refusal(self, value: float) -> str | None:
+        """``must be <range>, got <value> (<why>)`` for a value out of range, nan or inf; None
+        for one it accepts. The one check of every number a setting or a flag takes."""
+        if math.isfinite(value) and value in self:
+            return None
+        finite = " and finite" if isinstance(value, float) and self.high == math.inf else ""
+        why = f" ({self.why})" if self.why else ""
+        return f"must be {self}{finite}, got {value!r}{why}"
 
     def __str__(self) -> str:
         if self.high == math.inf:

@@ -36,6 +36,11 @@ from nobubble.schedules.ir import (
     version_last_uses,
 )
 
+# the most forwards (model stages x microbatches x steps) a command asks one simulation for:
+# generating, simulating and drawing them takes about half a minute (`nobubble schedule`, and
+# `nobubble bench`, which simulates every run's steps for its bubble)
+MAX_SIMULATED_FORWARDS = 200_000
+
 _MESSAGE_OF = {
     ActionKind.SEND_ACT: "activation",
     ActionKind.RECV_ACT: "activation",
