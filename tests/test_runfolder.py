@@ -126,33 +126,28 @@ def test_out_under_a_file_is_one_line_and_touches_nothing(tmp_path, capsys):
         assert snapshot(tmp_path) == before
 
 
-def test_out_in_a_folder_that_may_not_be_written_is_one_line(tmp_path, capsys, monkeypatch):
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o555)
-    if os.access(locked, os.W_OK):  # root may write anywhere: make the folder look locked
-        access = os.access
-        monkeypatch.setattr(
-            os, "access", lambda p, mode: os.fspath(p) != os.fspath(locked) and access(p, mode)
-        )
-    assert train(locked / "run", "steps=2") == 2
-    assert f"{locked} is not writable" in one_clear_line(capsys)
-    assert list(locked.iterdir()) == []
+def test_out_in_a_folder_that_may_not_be_written_is_one_line(capsys, unwritable):
+    """``unwritable``: see conftest.lock_writes for how read-only is simulated."""
+    assert train(unwritable / "run", "steps=2") == 2
+    err = one_clear_line(capsys)
+    assert f"--out {unwritable / 'run'}: cannot write in {unwritable}" in err
+    assert list(unwritable.iterdir()) == []
 
 
-def test_resuming_a_run_folder_that_may_not_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("flag", ["--resume", "--auto-resume"])
+def test_continuing_a_run_folder_that_may_not_be_written_is_one_line(
+    tmp_path, capsys, lock_writes, flag
+):
+    """``lock_writes``: see conftest for how read-only is simulated."""
     run = tmp_path / "r"
     assert train(run, "steps=2") == 0
     before = snapshot(tmp_path)
-    run.chmod(0o555)
-    if os.access(run, os.W_OK):  # root may write anywhere: make the folder look locked
-        access = os.access
-        monkeypatch.setattr(
-            os, "access", lambda p, mode: os.fspath(p) != os.fspath(run) and access(p, mode)
-        )
+    lock_writes(run)
     capsys.readouterr()
-    assert main(["train", "--no-progress", "--resume", str(run), "steps=4"]) == 2
-    assert f"cannot continue {run}: it is not writable" in one_clear_line(capsys)
-    run.chmod(0o755)
+    given = ["--resume", str(run)] if flag == "--resume" else ["--out", str(run), flag]
+    assert main(["train", "--no-progress", *given, *SMALL, "steps=4"]) == 2
+    named = "--resume" if flag == "--resume" else "--out"
+    assert f"{named} {run}: cannot write in {run}" in one_clear_line(capsys)
     assert snapshot(tmp_path) == before
 
 
@@ -170,7 +165,7 @@ def test_out_in_a_system_folder_is_one_line(capsys, out):
     if not Path(out).parents[-2].is_dir():
         pytest.skip(f"no {Path(out).parents[-2]} here")
     assert train(out, "steps=2") == 2
-    assert f"cannot make run folder {out}: no folder can be made in" in one_clear_line(capsys)
+    assert f"--out {out}: cannot write in" in one_clear_line(capsys)
 
 
 def test_a_name_that_is_not_a_plain_folder_name_is_refused(tmp_path, capsys, monkeypatch):

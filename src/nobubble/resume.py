@@ -34,6 +34,7 @@ from nobubble.config import FIELDS, ConfigError, TrainConfig, from_saved
 from nobubble.config.fields import FREE
 from nobubble.config.fields import LAYOUT as LAYOUT_CHANGE
 from nobubble.configure import build_config
+from nobubble.destinations import check_output_folder
 from nobubble.files import DamagedFile, read_json_lines, read_json_object, write_json_atomic
 from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
@@ -283,16 +284,14 @@ class Resumption:
         """Nothing to undo."""
 
 
-def reopen(cfg: TrainConfig, path: Path) -> Resumption:
-    """Check that ``path`` holds this run and a checkpoint it can continue from (a checkpoint of
-    any number of shards loads into any layout that ``cfg`` allows, :func:`check_layout_change`).
+def reopen(cfg: TrainConfig, path: Path, flag: str) -> Resumption:
+    """Check that ``path`` (given as ``flag``) holds this run and a checkpoint it can continue
+    from (a checkpoint of any number of shards loads into any layout that ``cfg`` allows,
+    :func:`check_layout_change`).
     """
     check_compatible(saved_train_config(path), cfg, path)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"cannot continue {path}: it is not writable (the run writes metrics and "
-            "checkpoints into it); make it writable or copy it and resume the copy"
-        )
+    # the run writes its metrics and checkpoints into it
+    check_output_folder(path, flag, fix="make it writable, or copy the run and resume the copy")
     found = latest_valid_checkpoint(path / "checkpoints")
     if found is None:
         tried = len(checkpoint_folders(path / "checkpoints"))
@@ -362,7 +361,7 @@ def open_run(
     if target_of(path).is_dir():
         hold_run_folder(target_of(path), held, path)
     if resume or (auto_resume and holds_files(path)):
-        return reopen(cfg, path)
+        return reopen(cfg, path, "--resume" if resume else "--out")
     setup = NewRun(cfg, path, overwrite)
     try:
         hold_run_folder(setup.work, held, path)  # renamed into place, it stays locked

@@ -25,6 +25,7 @@ from typing import Any
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.corrections.registry import chosen
+from nobubble.destinations import check_output_folder
 from nobubble.files import DamagedFile, read_json_object, write_json_atomic
 from nobubble.folder_lock import hold_folder
 
@@ -231,17 +232,9 @@ def check_can_make(path: Path, full: Path) -> None:
     Also refuse while an ``--overwrite`` of ``path`` that was cut short between its two renames
     has left the old run aside: the user decides what to keep.
     """
-    existing = next(p for p in (full, *full.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(
-            f"cannot make run folder {path}: {existing} is a file, not a folder; choose another "
-            "--out"
-        )
-    writable = full.parent if existing == full else existing
-    if not os.access(writable, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot make run folder {path}: {writable} is not writable")
+    check_output_folder(path, "--out", whole=True, fix="choose another --out")
     moved_aside = f".{glob.escape(full.name)}.old-*"
-    asides = [] if existing == full else sorted(full.parent.glob(moved_aside))
+    asides = [] if full.exists() else sorted(full.parent.glob(moved_aside))
     if asides:
         raise ConfigError(
             f"{path} is missing and {asides[0]} holds the run that an --overwrite was replacing "
