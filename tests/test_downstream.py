@@ -162,6 +162,28 @@ def test_eval_refuses_a_folder_that_is_no_run(tmp_path, capsys):
     assert "is not a nobubble run folder" in capsys.readouterr().err
 
 
+def test_eval_refuses_a_run_folder_that_cannot_take_its_scores_before_evaluating(
+    tmp_path, capsys, lock_writes, monkeypatch
+):
+    """A run folder that takes no files (``lock_writes``: see conftest for how read-only is
+    simulated), or whose downstream/ is a file: one line, before lm-eval is even looked for."""
+
+    def looked_for() -> None:
+        raise AssertionError("lm-eval was looked for")
+
+    monkeypatch.setattr(harness, "require_lm_eval", looked_for)
+    taken = make_run(tmp_path, 2.0, name_as="taken")
+    (taken / "downstream").write_text("mine")
+    locked = lock_writes(make_run(tmp_path, 2.0, name_as="locked"))
+    for run, problem in ((taken, "is not a folder"), (locked, f"cannot write in {locked}")):
+        assert main(["eval", str(run), "--tasks", TASK]) == 2
+        err = capsys.readouterr().err
+        assert f"RUN_FOLDER {run / 'downstream'}: " in err and problem in err, err
+        assert err.count("\n") == 1
+    assert (taken / "downstream").read_text() == "mine"
+    assert not (locked / "downstream").exists()
+
+
 def cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.split("|")[1:-1]]
 

@@ -30,6 +30,7 @@ from nobubble.model.partition import TIED_WEIGHT, partition, stage_parameter_nam
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.resume import saved_config
+from tests.pipeline_helpers import snapshot
 
 ATOL = 1e-5  # float32 logits; see the module docstring
 TEXTS = [
@@ -236,7 +237,7 @@ def test_refusals_name_the_problem_and_change_nothing(runs, tmp_path, capsys):
     (full / "mine.txt").write_text("keep")
     assert "already exists and is not an empty folder" in refusal(capsys, run, full)
     assert [p.name for p in full.iterdir()] == ["mine.txt"]
-    assert "already exists" in refusal(capsys, run, full / "mine.txt")
+    assert "is not a folder" in refusal(capsys, run, full / "mine.txt")
     assert "version 0 is not one that every parameter holds" in refusal(
         capsys, run, tmp_path / "a", "--version", "0"
     )
@@ -257,3 +258,18 @@ def test_refusals_name_the_problem_and_change_nothing(runs, tmp_path, capsys):
     empty.mkdir()
     assert main(["export", str(run), str(empty)]) == 0  # an empty folder is filled
     assert (empty / "model.safetensors").is_file()
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_reading_the_run(
+    runs, tmp_path, capsys, unwritable, monkeypatch
+):
+    """Under a regular file, in a folder that takes no files (``unwritable``: see
+    conftest.lock_writes for how read-only is simulated), in /proc: one line, nothing made."""
+    monkeypatch.setattr("nobubble.hf.export.export_hf", None)  # never reached
+    (tmp_path / "file").write_text("keep")
+    outs = [tmp_path / "file" / "model", unwritable / "model", unwritable / "a" / "b"]
+    outs += [Path("/proc/nobubble-export")] if Path("/proc/self").is_dir() else []
+    before = snapshot(tmp_path)
+    for out in outs:
+        assert f"OUT {out}: " in refusal(capsys, runs["tiny"], out)
+    assert snapshot(tmp_path) == before

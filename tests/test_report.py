@@ -361,6 +361,25 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(runs_dir, 
         call(str(runs_dir), "--out", str(taken))
 
 
+@pytest.mark.parametrize("scaling", [[], ["--scaling"]])
+def test_an_out_that_cannot_be_written_is_refused_before_reading_a_run(
+    tmp_path, capsys, unwritable, monkeypatch, scaling
+):
+    """Under a regular file, in a folder that takes no files (``unwritable``: see
+    conftest.lock_writes for how read-only is simulated), in /proc: one line, nothing made."""
+    for module in ("cli", "scaling_report"):
+        monkeypatch.setattr(f"nobubble.reporting.{module}.discover", None)  # never reached
+    (tmp_path / "file").write_text("keep")
+    outs = [tmp_path / "file" / "report", unwritable / "report"]
+    outs += [Path("/proc/nobubble-report")] if Path("/proc/self").is_dir() else []
+    for out in outs:
+        assert main(["report", *scaling, str(tmp_path), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"nobubble: error: --out {out}: ") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "read-only"]
+    assert list(unwritable.iterdir()) == []
+
+
 def test_runs_of_earlier_versions_group_with_new_ones_whatever_chunks_they_saved(tmp_path):
     """Earlier versions saved chunks null (the schedule's default); now it is resolved before it
     is saved. The report reads both as the schedule's chunks, so they are one group of seeds."""

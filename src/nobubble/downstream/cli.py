@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nobubble.destinations import check_output_folder
 from nobubble.downstream.harness import LIST_HINT
 
 
@@ -113,11 +114,13 @@ def score_table(record: Mapping[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from nobubble.downstream import harness
-    from nobubble.downstream.scores import DownstreamError, write_scores
+    from nobubble.downstream.scores import SCORES_DIR, DownstreamError, write_scores
     from nobubble.resume import saved_config
 
     run_dir = Path(args.run)
     saved_config(run_dir)  # a clear error if it is no run folder, before any slow import
+    fix = "make it writable, or copy the run and evaluate the copy"
+    check_output_folder(run_dir / SCORES_DIR, "RUN_FOLDER", fix=fix)  # where the scores go
     names = harness.parse_tasks(args.tasks)
     if args.include_path is not None and not args.include_path.is_dir():
         raise DownstreamError(

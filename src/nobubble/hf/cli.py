@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nobubble.destinations import check_output_folder
 from nobubble.hf.export import Version
 
 
@@ -51,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from nobubble.hf.export import export_hf, provenance
 
+    # made beside OUT and renamed into place
+    check_output_folder(args.out, "OUT", whole=True)
     out = export_hf(Path(args.run), Path(args.out), step=args.step, version=args.version)
     source = provenance(out)
     newest = " (the newest)" if source["version"] == source["newest_version"] else ""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import FIELDS, unknown_key_error
-from nobubble.destinations import make_output_folder
+from nobubble.destinations import check_output_folder, make_output_folder
 from nobubble.reporting.groups import (
     CLEAR_GAP_SE,
     Comparison,
@@ -265,6 +265,7 @@ def parse_reference(texts: Sequence[str]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_folder(args.out, "--out")  # created once the report is ready to write
     if args.scaling:
         return run_scaling(args)
     if args.paper_tokens is not None:
