@@ -4,6 +4,7 @@ all-reduce rule, memory, and the command."""
 import argparse
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -251,10 +252,6 @@ def test_plan_grid_prints_a_row_per_shape_and_draws_it(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--mfu", "1.5"), "--mfu is a share of the peak"),
-        (("--stages", "0"), "--stages must be at least 1"),
-        (("--p2p-gbps", "0"), "--p2p-gbps must be positive"),
-        (("--grid", "2,x"), "--grid takes whole numbers"),
         (("--zero", "1"), "--zero shares the state out over data-parallel replicas; give --dp 2"),
     ],
 )
@@ -350,3 +347,16 @@ def test_an_unwritable_png_is_refused_before_the_grid_is_computed(tmp_path, caps
     with pytest.raises(ConfigError, match=f"--png {png}: folder .* does not exist"):
         cli("--grid", "4", "--png", str(png))
     assert capsys.readouterr().out == ""  # no table first
+
+
+def test_a_png_that_cannot_be_written_is_refused_before_the_grid_is_computed(
+    tmp_path, capsys, unwritable
+):
+    """Under a regular file, or in a folder that takes no files (``unwritable``: see
+    conftest.lock_writes for how read-only is simulated)."""
+    (tmp_path / "file").write_text("keep")
+    for png in (tmp_path / "file" / "grid.png", unwritable / "grid.png"):
+        with pytest.raises(ConfigError, match=re.escape(f"--png {png}: ")):
+            cli("--grid", "4", "--png", str(png))
+    assert capsys.readouterr().out == ""  # no table first
+    assert (tmp_path / "file").read_text() == "keep" and list(unwritable.iterdir()) == []

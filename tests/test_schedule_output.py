@@ -153,6 +153,19 @@ def test_an_output_file_in_a_missing_folder_is_refused_before_simulating(
     assert f"{flag} {target}: folder {target.parent} does not exist" in err
 
 
+@pytest.mark.parametrize("flag", ["--png", "--trace"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_simulating(
+    tmp_path, capsys, monkeypatch, unwritable, flag
+):
+    """Under a regular file, or in a folder that takes no files (``unwritable``: see
+    conftest.lock_writes for how read-only is simulated)."""
+    monkeypatch.setattr(schedule_cli, "simulate", None)  # never reached
+    (tmp_path / "file").write_text("keep")
+    for target in (tmp_path / "file" / "out.file", unwritable / "out.file"):
+        assert f"{flag} {target}: " in error_line(capsys, flag, str(target))
+    assert (tmp_path / "file").read_text() == "keep" and list(unwritable.iterdir()) == []
+
+
 def test_long_computations_show_progress(capsys, monkeypatch):
     """A computation that takes longer than PROGRESS_DELAY_S draws a bar on stderr; with no delay
     every one does, so a small case shows what a long one would."""

@@ -439,6 +439,19 @@ def test_an_output_root_that_cannot_hold_runs_stops_the_sweep_before_it_starts(t
     assert call("--config", grid, "--out", str(taken / "sweep"), "--dry-run") == 0  # writes nothing
 
 
+def test_an_output_root_that_takes_no_files_stops_the_sweep_before_it_starts(
+    tmp_path, launches, unwritable
+):
+    """``unwritable``: see conftest.lock_writes for how read-only is simulated."""
+    grid = write(tmp_path, f"[sweep]\nout = '{unwritable / 'sweep'}'\n[grid]\nseed = [0]")
+    given = f"{grid} [sweep] out {unwritable / 'sweep'}: cannot write in {unwritable}"
+    with pytest.raises(ConfigError, match=re.escape(given)):
+        call("--config", str(grid))
+    with pytest.raises(ConfigError, match=re.escape(f"--out {unwritable / 'x'}: cannot write")):
+        call("--config", str(grid), "--out", str(unwritable / "x"))
+    assert launches == [] and list(unwritable.iterdir()) == []
+
+
 def test_a_grid_varies_the_delay_correction(tmp_path):
     text = "[set]\nschedule = '2bw'\n[grid]\ncorrection = ['none', 'ef', 'nesterov', 'spike']"
     spec = load_sweep(write(tmp_path, text + "\noptim = ['adamw', 'muon']"))

@@ -112,7 +112,8 @@ class SweepRun:
     def execute(self) -> int:
         check_sweep(self.sweep)
         if not self.args.dry_run:
-            make_output_folder(self.sweep.out, "output root")
+            given = "--out" if self.args.out else f"{self.args.config} [sweep] out"
+            make_output_folder(self.sweep.out, given)
             # Two sweeps over one folder would each take the other's run in progress for a
             # half-done one and set it aside; the lock is released when this process ends.
             self.lock = hold(
