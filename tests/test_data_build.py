@@ -305,6 +305,20 @@ def test_write_bin_shards_roundtrip_and_sizes(tmp_path):
         write_bin_shards([np.array([70_000])], tmp_path / "x")
 
 
+def test_prepare_refuses_an_out_dir_that_cannot_be_written(tmp_path, capsys, unwritable):
+    """Under a regular file, or in a folder that takes no files (``unwritable``: see
+    conftest.lock_writes for how read-only is simulated): one line, exit 2."""
+    (tmp_path / "a.txt").write_text("some text\n")
+    (tmp_path / "file").write_text("keep")
+    for out in (tmp_path / "file" / "bins", unwritable / "bins"):
+        with pytest.raises(SystemExit) as exit_info:
+            prepare_main([str(tmp_path / "a.txt"), str(out)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: OUT_DIR {out}: " in err and err.count("\n") == 1, err
+    assert (tmp_path / "file").read_text() == "keep" and list(unwritable.iterdir()) == []
+
+
 def test_prepare_writes_shards_that_train_like_the_text(tmp_path, capsys):
     (tmp_path / "a.txt").write_text(_text(4000, 7))
     prepare_main([str(tmp_path / "a.txt"), str(tmp_path / "bins"), "--shard-tokens", "30000"])

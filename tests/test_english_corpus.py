@@ -135,6 +135,27 @@ def test_a_missing_package_is_a_one_line_error_with_the_command(tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_dir_that_cannot_be_written_is_refused_before_any_work(
+    tmp_path, capsys, unwritable, monkeypatch
+):
+    """Under a regular file, or in a folder that takes no files (``unwritable``: see
+    conftest.lock_writes for how read-only is simulated): one line, exit 2, before --install
+    and before the packages are looked at."""
+
+    def installed(*args: object) -> None:
+        raise AssertionError("the packages were installed")
+
+    monkeypatch.setattr("nobubble.data.english.install_command", installed)
+    (tmp_path / "file").write_text("keep")
+    for out in (tmp_path / "file" / "corpus", unwritable / "corpus"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(out), "--root", str(tmp_path / "no-packages"), "--install"])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: OUT_DIR {out}: " in err and err.count("\n") == 1, err
+    assert (tmp_path / "file").read_text() == "keep" and list(unwritable.iterdir()) == []
+
+
 def test_another_package_version_is_refused(tmp_path):
     root = fake_root(tmp_path / "root")
     _status(root, versions={"dict-gcide": "0.49"})

@@ -26,11 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from nobubble.config import ConfigError
 from nobubble.data.errors import DataError
 from nobubble.data.prepare import _document_tokens
 from nobubble.data.shards import write_bin_shards
 from nobubble.data.sources import iter_documents, parse_data_spec
 from nobubble.data.tokenizer import load_tokenizer, train_bpe
+from nobubble.destinations import check_output_folder
 
 NAME = "english-v1"
 VOCAB_SIZE = 4096
@@ -286,6 +288,10 @@ def main(argv: list[str] | None = None) -> None:
         "--install", action="store_true", help="run apt-get install for the packages first"
     )
     args = parser.parse_args(argv)
+    try:  # before any work
+        check_output_folder(args.out_dir, "OUT_DIR")
+    except ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if args.install:
         command = install_command(SOURCES)
         print(f"running: {shlex.join(command)}", flush=True)
