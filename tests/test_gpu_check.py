@@ -179,6 +179,41 @@ def test_the_table_and_its_json_from_run_folders(tmp_path, capsys):
     assert gpipe_line in printed.splitlines()
 
 
+def error_of(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m nobubble.gpu_check: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_a_folder_without_a_plan_or_run_is_one_line(tmp_path, capsys):
+    assert "plan.json is missing; write it with" in error_of(capsys, "table", str(tmp_path))
+    assert "plan.json is missing" in error_of(capsys, "compare", str(tmp_path), "gpipe-p2-gloo")
+    (tmp_path / "plan.json").write_text('{"gpus": 1}')
+    assert "plan.json is damaged" in error_of(capsys, "table", str(tmp_path))
+    main(["plan", "--gpus", "1", "--out", str(tmp_path)])
+    assert "nope is not a run of" in error_of(capsys, "compare", str(tmp_path), "nope")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_outputs_that_cannot_be_written_are_one_line(tmp_path, capsys, lock_writes):
+    """Under a regular file, or in a folder that takes no files (``lock_writes``: see conftest
+    for how read-only is simulated): refused before any work, nothing written."""
+    (tmp_path / "file").write_text("keep")
+    err = error_of(capsys, "plan", "--gpus", "1", "--out", str(tmp_path / "file" / "check"))
+    assert f"--out {tmp_path / 'file' / 'check'}: " in err
+    out = tmp_path / "check"
+    main(["plan", "--gpus", "1", "--out", str(out)])
+    lock_writes(out)
+    assert f"OUT {out / 'table.json'}: cannot write in {out}" in error_of(capsys, "table", str(out))
+    err = error_of(capsys, "compare", str(out), "gpipe-p2-gloo")
+    assert f"OUT {out / 'parity'}: cannot write in {out}" in err
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json"]
+    assert (tmp_path / "file").read_text() == "keep"
+
+
 # On the CPU the plan's rows run on a small model with tied embeddings (pipedream's rows untied,
 # as the plan has them; NCCL's rows on gloo under the emulator): each equals its reference bit for
 # bit, which is what lets the check compare every synchronous schedule, on any number of stages,

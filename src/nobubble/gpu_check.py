@@ -33,7 +33,9 @@ from typing import Any
 import torch
 
 from nobubble.checkpoint.files import checkpoint_folders, newest_weights
-from nobubble.files import read_json_lines, write_json_atomic
+from nobubble.config import ConfigError
+from nobubble.destinations import check_output_file, check_output_folder, make_output_folder
+from nobubble.files import damaged, read_json_lines, read_json_object, write_json_atomic
 from nobubble.runfolder import FINISHED, read_summary, stop_of
 
 # the settings of every run (a row's own come after): the model and where it runs, then how
@@ -241,7 +243,13 @@ def verdict(gaps: dict[str, Any] | None, expect: str, noise: float | None) -> st
 def compare(out: Path, name: str) -> dict[str, Any]:
     """Compare run ``name`` of ``out``'s plan with its reference; write it into
     ``out/parity/NAME.json`` and return it."""
-    run = planned(out)[name]
+    runs = planned(out)
+    if name not in runs:
+        raise ConfigError(
+            f"{name} is not a run of {out / 'plan.json'}; give one of {', '.join(runs)}"
+        )
+    run = runs[name]
+    check_output_folder(out / "parity", "OUT")
     mine, theirs = outcome(out / "runs" / name), outcome(out / "runs" / run.reference)
     gaps = parity(mine, theirs) if mine and theirs else None
     result = {"run": name, "reference": run.reference, **(gaps or {})}
@@ -259,8 +267,13 @@ def compare(out: Path, name: str) -> dict[str, Any]:
 
 def planned(out: Path) -> dict[str, Run]:
     """The plan written into ``out`` (``plan --out``), by name."""
-    raw = json.loads((out / "plan.json").read_text())
-    runs = [Run(**{**r, "settings": tuple(r["settings"])}) for r in raw["runs"]]
+    path = out / "plan.json"
+    fix = f"write it with `python -m nobubble.gpu_check plan --gpus N --out {out}`"
+    raw = read_json_object(path, fix)
+    try:
+        runs = [Run(**{**r, "settings": tuple(r["settings"])}) for r in raw["runs"]]
+    except (KeyError, TypeError) as exc:
+        raise damaged(path, f"is damaged ({type(exc).__name__}: {exc})", fix) from None
     return {run.name: run for run in runs}
 
 
@@ -355,11 +368,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     tabling = commands.add_parser("table", help="the table of the runs; exit 1 if one failed")
     tabling.add_argument("out", type=Path)
     args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as exc:  # an output path, a plan missing or damaged: one line
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+def run(args: argparse.Namespace) -> int:
     if args.command == "plan":
+        make_output_folder(args.out, "--out")
         runs = plan(args.gpus)
         listed = [dataclasses.asdict(run) for run in runs]
         payload = {"gpus": args.gpus, "settings": [*MODEL, *TRAINING], "runs": listed}
-        args.out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.out / "plan.json", payload)
         print("\n".join(run.line() for run in runs))
         return 0
@@ -367,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = compare(args.out, args.name)
         print(json.dumps(result))
         return 0
+    planned(args.out)
+    check_output_file(args.out / "table.json", "OUT")
     rows = table_rows(args.out)
     write_json_atomic(args.out / "table.json", {"settings": [*MODEL, *TRAINING], "rows": rows})
     print(render(rows))
