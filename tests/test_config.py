@@ -83,6 +83,40 @@ def test_malformed_toml_is_reported_with_the_file(tmp_path):
         load_toml(tmp_path / "missing.toml")
 
 
+@pytest.mark.parametrize(
+    ("text", "first", "second"),
+    [
+        ("[optimizer]\nlr = 1e-3\n[training]\nlr = 2e-3\n", "[optimizer]", "[training]"),
+        ("lr = 1e-3\n[optimizer]\nlr = 2e-3\n", "the top level", "[optimizer]"),
+        ("[optimizer]\nlr = 1e-3\n[model]\nd_model = 64\n[x]\nlr = 2e-3\n", "[optimizer]", "[x]"),
+        ("[data]\nbatch-size = 8\nbatch_size = 16\n", "[data]", "[data]"),  # one key, two ways
+    ],
+)
+def test_a_key_set_in_two_tables_of_a_config_file_is_refused_naming_both(
+    tmp_path, text, first, second
+):
+    """The sections share one set of keys: the last table's value was taken silently."""
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_toml(path)
+    message = str(caught.value)
+    key = "lr" if "lr" in text else "batch_size"
+    assert f"sets {key} in {first} and again in {second}; keep one" in message
+    assert str(path) in message and "\n" not in message
+
+
+def test_a_config_file_with_a_key_in_two_tables_trains_nothing(tmp_path, capsys):
+    from nobubble.cli import main
+
+    path = tmp_path / "c.toml"
+    path.write_text("[optimizer]\nlr = 1e-3\n[training]\nlr = 2e-3\n")
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nobubble: error: ") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
 def test_override_without_equals_sign():
     with pytest.raises(ConfigError, match="key=value"):
         parse_overrides(["lr"])

@@ -98,7 +98,8 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config; ``[section]`` headings are allowed and flattened (keys are unique
-    over the sections: :data:`nobubble.config.schema.SECTIONS`)."""
+    over the sections: :data:`nobubble.config.schema.SECTIONS`, so a key set in two tables, or
+    spelled with ``-`` and ``_`` in one, is refused)."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -109,13 +110,19 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     flat: dict[str, Any] = {}
+    where: dict[str, str] = {}  # the table each key was set in
     for key, value in raw.items():
-        if isinstance(value, dict):  # a [section]: no field is a table
-            for sub, subvalue in value.items():
-                flat[sub] = subvalue
-        else:
-            flat[key] = value
-    return {key.replace("-", "_"): coerce(key.replace("-", "_"), v) for key, v in flat.items()}
+        table, place = (value, f"[{key}]") if isinstance(value, dict) else ({key: value}, "")
+        for sub, subvalue in table.items():  # a [section]: no field is a table
+            name = sub.replace("-", "_")
+            if name in where:  # TOML refuses a key twice in one table; the sections share keys
+                first, second = where[name] or "the top level", place or "the top level"
+                raise ConfigError(
+                    f"config file {path} sets {name} in {first} and again in {second}; "
+                    "keep one of them"
+                )
+            flat[name], where[name] = subvalue, place
+    return {key: coerce(key, value) for key, value in flat.items()}
 
 
 def from_saved(saved: Mapping[str, Any]) -> dict[str, Any]:
