@@ -252,10 +252,6 @@ def test_plan_grid_prints_a_row_per_shape_and_draws_it(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--mfu", "1.5"), "--mfu is a share of the peak"),
-        (("--stages", "0"), "--stages must be at least 1"),
-        (("--p2p-gbps", "0"), "--p2p-gbps must be positive"),
-        (("--grid", "2,x"), "--grid takes whole numbers"),
         (("--zero", "1"), "--zero shares the state out over data-parallel replicas; give --dp 2"),
     ],
 )

@@ -16,15 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nobubble.config import FIELDS, HINTS, ConfigError, TrainConfig, load_toml, parse_overrides
+from nobubble.config.flags import OneLineParser
 from nobubble.configure import REGISTRY_NAMES, asks_for_auto, build_config
 from nobubble.corrections.auto import choose
 from nobubble.model.resolve import model_config
 from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
 
 
-class AnyOrderParser(argparse.ArgumentParser):
+class AnyOrderParser(OneLineParser):
     """A command's parser whose flags and positional words mix in any order
-    (``train steps=3 --out X lr=1e-3``, ``report A --out R B``): argparse's intermixed parsing.
+    (``train steps=3 --out X lr=1e-3``, ``report A --out R B``): argparse's intermixed parsing;
+    its errors are one line.
 
     Plain parsing gives the positional words one place: after the first flag, the words after
     a later flag are "unrecognized arguments".

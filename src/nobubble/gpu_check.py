@@ -34,6 +34,7 @@ import torch
 
 from nobubble.checkpoint.files import checkpoint_folders, newest_weights
 from nobubble.config import ConfigError
+from nobubble.config.flags import OneLineParser, whole
 from nobubble.destinations import check_output_file, check_output_folder, make_output_folder
 from nobubble.files import damaged, read_json_lines, read_json_object, write_json_atomic
 from nobubble.runfolder import FINISHED, read_summary, stop_of
@@ -357,10 +358,10 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nobubble.gpu_check", description=__doc__)
+    parser = OneLineParser(prog="python -m nobubble.gpu_check", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     planning = commands.add_parser("plan", help="the runs for N GPUs, a line each")
-    planning.add_argument("--gpus", type=int, required=True)
+    planning.add_argument("--gpus", type=whole(), required=True, help="GPUs on this machine")
     planning.add_argument("--out", type=Path, required=True)
     comparing = commands.add_parser("compare", help="one run against its reference")
     comparing.add_argument("out", type=Path)

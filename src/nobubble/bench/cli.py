@@ -46,10 +46,14 @@ from nobubble.bench.variants import (
     with_zero,
     zero_levels,
 )
-from nobubble.config import ConfigError, parse_overrides
+from nobubble.config import ConfigError, Range, parse_overrides
+from nobubble.config.fields import NON_NEGATIVE
+from nobubble.config.flags import OneLineParser, whole
 from nobubble.configure import build_config
 from nobubble.destinations import check_output_file, make_output_folder
 from nobubble.provenance import machine, provenance
+from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
+from nobubble.schedules.timing import MAX_SIMULATED_FORWARDS
 
 # The measured configuration of docs/benchmarks.md, and a seconds-long smoke run.
 DEFAULTS = dict(
@@ -61,16 +65,19 @@ QUICK = dict(
     memory_pass=False,
 )  # fmt: skip
 QUICK_MODEL = ("d_model=32", "n_layers=4", "n_heads=4", "n_kv_heads=2", "d_ff=64")
+# each repeat runs every variant once more, and each retry a disturbed run again
+REPEATS = Range(1, 100, high_open=False, why="each runs every variant again; medians settle")
+RETRIES = Range(0, 10, high_open=False, why="each reruns a whole run; a machine that stays busy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages P (default: 2)")
+    parser.add_argument("--stages", type=whole(), default=2, help="pipeline stages P (default: 2)")
     parser.add_argument(
-        "--microbatches", type=int, default=4, help="microbatches M per step (default: 4)"
+        "--microbatches", type=whole(), default=4, help="microbatches M per step (default: 4)"
     )
     parser.add_argument(
         "--dp",
-        type=int,
+        type=whole(),
         default=1,
         help="data-parallel replicas of the pipeline: stages x dp processes, each replica reads "
         "1/dp of every microbatch (default: 1)",
@@ -81,16 +88,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --dp > 1, also run each of our variants with sharded state at these zero "
         "levels (1, 2 or 1,2), reported against the same variant with zero=0 (default: none)",
     )
-    parser.add_argument("--steps", type=int, help="optimizer steps (default: 40)")
-    parser.add_argument("--batch-size", type=int, help="sequences per step (default: 16)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: 256)")
+    parser.add_argument("--steps", type=whole(), help="optimizer steps (default: 40)")
+    parser.add_argument("--batch-size", type=whole(), help="sequences per step (default: 16)")
+    parser.add_argument("--seq-len", type=whole(), help="tokens per sequence (default: 256)")
     parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--repeats", type=int, help="runs of every variant, interleaved (default: 3)"
+        "--repeats",
+        type=whole(REPEATS),
+        help=f"runs of every variant, interleaved, {REPEATS} (default: 3)",
     )
     parser.add_argument(
-        "--warmup-steps", type=int, help="first steps left out of tokens/s (default: 2)"
+        "--warmup-steps",
+        type=whole(NON_NEGATIVE),
+        help="first steps left out of tokens/s (default: 2)",
     )
     parser.add_argument(
         "--schedules",
@@ -107,9 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--busy-retries",
-        type=int,
-        help=f"run a variant again, up to this many times, while other processes use more than "
-        f"{BUSY_CORES} cores during it (default: 2; 0 with --quick)",
+        type=whole(RETRIES),
+        help=f"run a variant again, up to this many times ({RETRIES}), while other processes use "
+        f"more than {BUSY_CORES} cores during it (default: 2; 0 with --quick)",
     )
     parser.add_argument(
         "--memory-pass",
@@ -142,15 +153,17 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def check_counts(args: argparse.Namespace) -> None:
-    """The numbers that size the runs, checked before the first one (``args`` resolved)."""
-    for flag, value, least in (
-        ("--stages", args.stages, 1), ("--microbatches", args.microbatches, 1),
-        ("--dp", args.dp, 1), ("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
-        ("--seq-len", args.seq_len, 1), ("--repeats", args.repeats, 1),
-        ("--warmup-steps", args.warmup_steps, 0), ("--busy-retries", args.busy_retries, 0),
-    ):  # fmt: skip
-        if value < least:
-            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    """What the counts that size the runs ask together, checked before the first run (``args``
+    resolved; each count is in its range: add_arguments)."""
+    chunks = max(schedule_spec(name).default_chunks for name in SCHEDULE_NAMES)
+    forwards = args.stages * chunks * args.microbatches * args.steps
+    if forwards > MAX_SIMULATED_FORWARDS:
+        raise ConfigError(
+            f"--stages {args.stages} x {chunks} chunks (interleaving) x --microbatches "
+            f"{args.microbatches} x --steps {args.steps} = {forwards:,} forwards, more than the "
+            f"{MAX_SIMULATED_FORWARDS:,} a run's steps may take: each run is simulated again "
+            "for its bubble (about half a minute at that); use fewer steps"
+        )
     if args.warmup_steps >= args.steps:
         raise ConfigError(
             f"--warmup-steps {args.warmup_steps} leaves none of the {args.steps} steps to time "
@@ -344,6 +357,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nobubble bench", description=__doc__)
+    parser = OneLineParser(prog="nobubble bench", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from nobubble.config import ConfigError, TrainConfig, parse_overrides
+from nobubble.config import ConfigError, Range, TrainConfig, parse_overrides
+from nobubble.config.flags import whole
 from nobubble.configure import build_config
 from nobubble.corrections.auto import choose
 from nobubble.corrections.registry import REGISTRY, chosen, step_response
@@ -16,6 +17,11 @@ from nobubble.layout import ParallelLayout
 from nobubble.schedules.registry import schedule_spec
 
 TERMS = 6  # impulse-response terms shown
+# every row of every delay's table prints them (1,000 make a row about 7,000 characters wide);
+# the mean, step and stable columns take the whole response, whatever is shown
+TERMS_RANGE = Range(
+    1, 1000, high_open=False, why="a row shows them; the other columns take the whole response"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "schedule=pipedream stages=4 microbatches=1 ef_gamma=1.5",
     )
     parser.add_argument(
-        "--terms", type=int, default=TERMS, help=f"impulse-response terms shown (default: {TERMS})"
+        "--terms",
+        type=whole(TERMS_RANGE),
+        default=TERMS,
+        help=f"impulse-response terms shown, {TERMS_RANGE} (default: {TERMS})",
     )
     parser.add_argument(
         "--sources", action="store_true", help="also list each correction's source and rule"

@@ -9,7 +9,6 @@ written next to the shards so that training can use ``tokenizer=OUT_DIR/tokenize
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from collections.abc import Iterator
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nobubble.config import ConfigError
+from nobubble.config import ConfigError, Range
+from nobubble.config.flags import OneLineParser, whole
 from nobubble.data.errors import DataError
 from nobubble.data.shards import BIN_DTYPES, write_bin_shards
 from nobubble.data.sources import BinFiles, iter_documents, parse_data_spec
@@ -25,6 +25,9 @@ from nobubble.data.tokenizer import Tokenizer, named_tokenizer
 from nobubble.destinations import check_output_folder
 
 ENCODE_BATCH = 256  # documents per tokenizer call (HF tokenizers encode a batch in parallel)
+SHARD_TOKENS = Range(  # a shard is gathered in memory, then written with its token count
+    1, 2**31 - 1, high_open=False, why="llm.c's shard header counts the tokens in 32 bits"
+)
 
 
 def prepare(
@@ -76,7 +79,7 @@ def _document_tokens(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m nobubble.data.prepare", description=__doc__.splitlines()[0]
     )
     parser.add_argument("data", help="builtin | FILE/FOLDER/GLOB (.txt .jsonl .parquet) | hf:NAME")
@@ -84,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", default="byte", help="byte | PATH/tokenizer.json | hf:NAME")
     parser.add_argument("--data-field", default="text", help="text field of .jsonl/.parquet/hf")
     parser.add_argument("--bin-dtype", default="uint16", choices=sorted(BIN_DTYPES))
-    parser.add_argument("--shard-tokens", type=int, default=100_000_000)
-    parser.add_argument("--max-tokens", type=int, help="stop after this many tokens")
+    parser.add_argument("--shard-tokens", type=whole(SHARD_TOKENS), default=100_000_000)
+    parser.add_argument("--max-tokens", type=whole(), help="stop after this many tokens")
     parser.add_argument("--header", action="store_true", help="write llm.c shard headers")
     args = parser.parse_args(argv)
     try:  # before any work

@@ -15,31 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nobubble.config.fields import NON_NEGATIVE
+from nobubble.config.flags import whole
 from nobubble.destinations import check_output_folder
 from nobubble.downstream.harness import LIST_HINT
 
 
-def _at_least(least: int, text: str) -> int:
-    """``text`` as a whole number of at least ``least``; the error says which numbers are."""
-    try:
-        number = int(text)
-    except ValueError:
-        number = least - 1
-    if number < least:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {least}")
-    return number
-
-
-def _positive(text: str) -> int:
-    return _at_least(1, text)
-
-
-def _count(text: str) -> int:
-    return _at_least(0, text)
-
-
 def _batch_size(text: str) -> int | str:
-    return text if text == "auto" else _positive(text)
+    return text if text == "auto" else whole()(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,20 +35,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step",
-        type=int,
+        type=whole(NON_NEGATIVE),
         metavar="N",
         help="evaluate the checkpoint of step N (default: the newest valid checkpoint)",
     )
     parser.add_argument(
         "--limit",
-        type=_positive,
+        type=whole(),
         metavar="N",
         help="score only the first N examples of each task (a quick look; such scores get their "
         "own columns in `nobubble report`)",
     )
     parser.add_argument(
         "--num-fewshot",
-        type=_count,
+        type=whole(NON_NEGATIVE),
         metavar="K",
         help="examples shown before each question (default: the task's own setting, 0 if none)",
     )

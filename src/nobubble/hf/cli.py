@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nobubble.config.fields import NON_NEGATIVE
+from nobubble.config.flags import whole
 from nobubble.destinations import check_output_folder
 from nobubble.hf.export import Version
 
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step",
-        type=int,
+        type=whole(NON_NEGATIVE),
         metavar="N",
         help="export the checkpoint of step N (default: the newest valid checkpoint)",
     )

@@ -7,7 +7,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from nobubble.config import ConfigError
+from nobubble.config import ConfigError, Range
+from nobubble.config.fields import POSITIVE
+from nobubble.config.flags import real, whole, wholes
 from nobubble.destinations import check_output_file
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.planning.costs import non_embedding_parameters
@@ -25,21 +27,39 @@ from nobubble.planning.target import (
 from nobubble.planning.target_output import target_json, target_lines
 from nobubble.schedules.registry import PIPELINE_SCHEDULES
 
+# every count of a plan: at least one, and no more than its floating-point arithmetic holds
+COUNT = Range(1, 2**53, high_open=False, why="the plan computes in floating point, exact to 2^53")
+# the hardware's figures: wider than any hardware's, and narrow enough that no time of a step
+# computed from them leaves floating point's range (to 0 or infinity)
+BEYOND_ANY = "beyond any hardware, and the step's times leave floating point's range"
+PEAK_TFLOPS = Range(1e-3, 1e6, high_open=False, why=BEYOND_ANY)
+SHARE_OF_PEAK = Range(1e-3, 1, high_open=False, why=BEYOND_ANY)
+GB_PER_S = Range(1e-6, 1e6, high_open=False, why=BEYOND_ANY)
+LATENCY_US = Range(0, 1e9, high_open=False, why=BEYOND_ANY)
+# --grid x --grid-ratios: each shape predicts every schedule (about a second on a quiet core)
+GRID_SHAPES = Range(1, 64, high_open=False, why="each predicts every schedule, about a second")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="llama3-8b", choices=list(PLANNING_SHAPES))
     parser.add_argument(
         "--vocab-size",
-        type=int,
+        type=whole(COUNT),
         default=256,
         help="vocabulary of a preset that takes it from its tokenizer (default: 256, bytes)",
     )
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline ranks P")
-    parser.add_argument("--microbatches", type=int, default=16, help="microbatches M per step")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    parser.add_argument("--chunks", type=int, default=2, help="stages per rank, interleaved-1f1b")
+    parser.add_argument("--seq-len", type=whole(COUNT), default=4096)
+    parser.add_argument(
+        "--microbatch-size", type=whole(COUNT), default=1, help="sequences per microbatch"
+    )
+    parser.add_argument("--stages", type=whole(COUNT), default=4, help="pipeline ranks P")
+    parser.add_argument(
+        "--microbatches", type=whole(COUNT), default=16, help="microbatches M per step"
+    )
+    parser.add_argument("--dp", type=whole(COUNT), default=1, help="data-parallel replicas")
+    parser.add_argument(
+        "--chunks", type=whole(COUNT), default=2, help="stages per rank, interleaved-1f1b"
+    )
     parser.add_argument(
         "--zero",
         type=int,
@@ -54,33 +74,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep each block's input only and recompute the block in the backward",
     )
     parser.add_argument("--gpu", default="h100", choices=list(DEVICES))
-    parser.add_argument("--peak-tflops", type=float, help="override the GPU's dense BF16 peak")
+    parser.add_argument(
+        "--peak-tflops", type=real(PEAK_TFLOPS), help="override the GPU's dense BF16 peak"
+    )
     parser.add_argument(
         "--mfu",
-        type=float,
+        type=real(SHARE_OF_PEAK),
         default=0.4,
         help="share of the peak a stage's compute reaches (default: 0.4, an assumption)",
     )
     parser.add_argument("--p2p", default="ib-ndr", choices=list(LINKS), help="stage-to-stage link")
-    parser.add_argument("--p2p-gbps", type=float, help="override its GB/s (one direction)")
-    parser.add_argument("--p2p-latency-us", type=float, help="override its latency")
+    parser.add_argument("--p2p-gbps", type=real(GB_PER_S), help="override its GB/s (one direction)")
+    parser.add_argument("--p2p-latency-us", type=real(LATENCY_US), help="override its latency")
     parser.add_argument(
         "--allreduce", default="ib-ndr", choices=list(LINKS), help="data-parallel link"
     )
-    parser.add_argument("--allreduce-gbps", type=float, help="override its GB/s")
+    parser.add_argument("--allreduce-gbps", type=real(GB_PER_S), help="override its GB/s")
     parser.add_argument(
-        "--memory-limit-gb", type=float, help="memory per GPU to fit in (default: the GPU's)"
+        "--memory-limit-gb",
+        type=real(POSITIVE),
+        help="memory per GPU to fit in (default: the GPU's)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--grid",
+        type=wholes(COUNT),
         metavar="P,P,...",
         help="instead of one shape: 2bw against the best synchronous schedule for each of these "
         "stage counts P, with M = r·P for each r of --grid-ratios (--stages and "
         "--microbatches are then ignored)",
     )
     parser.add_argument(
-        "--grid-ratios", default="1,2,4,8", metavar="R,R,...", help="M/P ratios (default 1,2,4,8)"
+        "--grid-ratios",
+        type=wholes(COUNT),
+        default="1,2,4,8",
+        metavar="R,R,...",
+        help=f"M/P ratios (default 1,2,4,8); at most {GRID_SHAPES.high:,} shapes in all",
     )
     parser.add_argument("--png", type=Path, help="with --grid: also draw it into this PNG")
     parser.add_argument(
@@ -98,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tokens",
-        type=float,
+        type=real(POSITIVE),
         help=f"with --optim: the tokens to train on (default: {TOKENS_PER_PARAMETER} per "
         "non-embedding parameter)",
     )
@@ -113,25 +142,9 @@ def _link(link: Link, gbps: float | None, latency_us: float | None) -> Link:
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    for flag, value in (
-        ("--seq-len", args.seq_len), ("--microbatch-size", args.microbatch_size),
-        ("--stages", args.stages), ("--microbatches", args.microbatches), ("--dp", args.dp),
-        ("--vocab-size", args.vocab_size),
-    ):  # fmt: skip
-        if value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
-    if not 0 < args.mfu <= 1:
-        raise ConfigError(f"--mfu is a share of the peak, in (0, 1]; got {args.mfu}")
-    for flag, value in (
-        ("--peak-tflops", args.peak_tflops), ("--p2p-gbps", args.p2p_gbps),
-        ("--allreduce-gbps", args.allreduce_gbps), ("--memory-limit-gb", args.memory_limit_gb),
-    ):  # fmt: skip
-        if value is not None and value <= 0:
-            raise ConfigError(f"{flag} must be positive, got {value}")
+    """The plan the flags ask for (each number already in its range: add_arguments)."""
     if args.zero and args.dp == 1:
         raise ConfigError("--zero shares the state out over data-parallel replicas; give --dp 2+")
-    if args.p2p_latency_us is not None and args.p2p_latency_us < 0:
-        raise ConfigError(f"--p2p-latency-us must be >= 0, got {args.p2p_latency_us}")
     model = PLANNING_SHAPES[args.preset]
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=args.vocab_size)
@@ -195,15 +208,15 @@ def table(results: list[Estimate], limit_gb: float, largest: dict[str, str]) -> 
     return "\n".join(lines)
 
 
-def _numbers(flag: str, text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
+def check_grid(args: argparse.Namespace) -> None:
+    """Refuse a grid of more shapes than :data:`GRID_SHAPES` allows, before any is predicted."""
+    refusal = GRID_SHAPES.refusal(len(args.grid) * len(args.grid_ratios))
+    if refusal:
+        raise ConfigError(f"the shapes of --grid x --grid-ratios {refusal}")
 
 
 def run_grid(args: argparse.Namespace, plan: Plan) -> int:
-    points = grid(plan, _numbers("--grid", args.grid), _numbers("--grid-ratios", args.grid_ratios))
+    points = grid(plan, args.grid, args.grid_ratios)
     title = (
         f"{args.preset}: {plan.device.name} at MFU {plan.mfu:g}, p2p {plan.p2p.gb_per_s:g} GB/s, "
         f"dp {plan.dp}"
@@ -227,8 +240,6 @@ def check_target_flags(args: argparse.Namespace) -> None:
                 raise ConfigError(f"{flag} goes with --optim (the time to target); add --optim")
     elif args.grid:
         raise ConfigError("--optim times one plan, not a --grid; leave out one of them")
-    if args.tokens is not None and args.tokens <= 0:
-        raise ConfigError(f"--tokens must be positive, got {args.tokens:g}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--png draws a --grid; add --grid P,P,...")
         check_output_file(args.png, "--png")
     if args.grid:
+        check_grid(args)
         return run_grid(args, plan)
     limit = args.memory_limit_gb or plan.device.memory_gb
     results, skipped = estimates(plan)

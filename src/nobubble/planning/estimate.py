@@ -289,7 +289,8 @@ def estimate(plan: Plan, schedule: str) -> Estimate:
         schedule=schedule,
         step_s=step_s,
         tokens_per_s=plan.tokens_per_step / step_s,
-        bubble=1 - sum(busy) / (len(busy) * pipeline_s),
+        # a share, never below 0: the busy times' sum may pass the step's by a rounding error
+        bubble=max(0.0, 1 - sum(busy) / (len(busy) * pipeline_s)),
         exposed_dp_s=exposed,
         memory_gb=memory,
     )

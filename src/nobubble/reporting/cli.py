@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import FIELDS, unknown_key_error
+from nobubble.config.flags import real
 from nobubble.destinations import check_output_folder, make_output_folder
 from nobubble.reporting.groups import (
     CLEAR_GAP_SE,
@@ -159,7 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--paper-tokens",
-        type=float,
+        type=real(),
         metavar="N",
         help="with --scaling: the tokens the study trained its 360 M models on, to check the "
         "laws against its table (docs/experiments.md)",

@@ -305,8 +305,6 @@ def render(
 def run_scaling(args: argparse.Namespace) -> int:
     if args.vs or args.reference or args.time_to_target:
         raise ReportError("--scaling takes RUNS_DIR..., --out, --where, --title, --paper-tokens")
-    if args.paper_tokens is not None and args.paper_tokens <= 0:
-        raise ReportError(f"--paper-tokens must be positive, got {args.paper_tokens:g}")
     filters = [parse_filter(text) for text in args.where]
     runs, warnings = discover([Path(p) for p in args.runs])
     for warning in warnings:

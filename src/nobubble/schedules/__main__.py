@@ -1,12 +1,11 @@
 """``python -m nobubble.schedules``: the same as ``nobubble schedule``."""
 
-import argparse
-
 from nobubble.config import ConfigError
+from nobubble.config.flags import OneLineParser
 from nobubble.schedules.cli import add_arguments, run
 from nobubble.schedules.ir import ScheduleError
 
-parser = argparse.ArgumentParser(prog="python -m nobubble.schedules", description=__doc__)
+parser = OneLineParser(prog="python -m nobubble.schedules", description=__doc__)
 add_arguments(parser)
 try:
     raise SystemExit(run(parser.parse_args()))

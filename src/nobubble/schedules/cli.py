@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from nobubble.config.fields import NON_NEGATIVE
+from nobubble.config.flags import real, reals, whole
 from nobubble.destinations import check_output_file
 from nobubble.schedules.generators import generate
 from nobubble.schedules.invariants import check_invariants
@@ -18,23 +20,21 @@ from nobubble.schedules.lowering import lower
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SCHEDULE_NAMES, schedule_spec
 from nobubble.schedules.render_png import render_png
 from nobubble.schedules.render_text import grid_columns, render_text
-from nobubble.schedules.timing import SimResult, simulate, split_rank_times
+from nobubble.schedules.timing import (
+    MAX_SIMULATED_FORWARDS,
+    SimResult,
+    simulate,
+    split_rank_times,
+)
 from nobubble.schedules.trace import write_trace
 
 PROGRESS_DELAY_S = 1.0  # work that takes longer draws a progress bar on stderr
-# every action is generated, simulated and drawn: a bound on how many, about half a minute's work
-MAX_STAGE_MICROBATCHES = 200_000  # (model stages) x microbatches x steps, per schedule
 MAX_GRID_COLUMNS = 1_000_000  # characters of the text grid's rows, before wrapping
 
 
 def _times(text: str) -> float | list[float]:
-    """One time for every stage ("2") or one per stage ("1,1,2,1")."""
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number or comma-separated numbers (one per stage), got {text!r}"
-        ) from None
+    """One time for every stage ("2") or one per stage ("1,1,2,1"), each positive."""
+    values = reals()(text)
     return values[0] if len(values) == 1 else values
 
 
@@ -45,20 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[*SCHEDULE_NAMES, "all"],
         help="schedule to simulate; 'all' compares every pipeline schedule (default: 2bw)",
     )
-    parser.add_argument("--stages", type=int, default=4, help="pipeline stages P (default: 4)")
+    parser.add_argument("--stages", type=whole(), default=4, help="pipeline stages P (default: 4)")
     parser.add_argument(
-        "--microbatches", type=int, default=8, help="microbatches M per step (default: 8)"
+        "--microbatches", type=whole(), default=8, help="microbatches M per step (default: 8)"
     )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=whole(),
         default=3,
         help="optimizer steps of M microbatches (pipedream steps after every microbatch, so it "
         "runs M*steps updates) (default: 3)",
     )
     parser.add_argument(
         "--chunks",
-        type=int,
+        type=whole(),
         help="stages per rank for interleaved-1f1b (default: 2); the times below are per rank "
         "and split equally over its stages",
     )
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "takes wgrad, its I bwd - wgrad), or one per stage (default: half the backward)",
     )
     parser.add_argument(
-        "--comm", type=float, default=0.0, help="latency of every send (default: 0)"
+        "--comm", type=real(NON_NEGATIVE), default=0.0, help="latency of every send (default: 0)"
     )
     parser.add_argument("--png", metavar="FILE", help="write a PNG timeline")
     parser.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--width",
-        type=int,
+        type=whole(),
         default=shutil.get_terminal_size().columns,
         help="text grid width in characters (default: the terminal's)",
     )
@@ -138,11 +138,11 @@ def _check_size(args: argparse.Namespace, name: str) -> None:
     """Refuse a shape whose actions are too many to generate, simulate and draw."""
     chunks = _chunks(args, name) or schedule_spec(name).default_chunks
     size = args.stages * chunks * args.microbatches * args.steps
-    if size > MAX_STAGE_MICROBATCHES:
+    if size > MAX_SIMULATED_FORWARDS:
         shape = f"--stages {args.stages}{f' x {chunks} chunks' if chunks > 1 else ''}"
         raise ScheduleError(
             f"{name}: {shape} x --microbatches {args.microbatches} x --steps {args.steps} = "
-            f"{size:,} forwards to simulate and draw, more than {MAX_STAGE_MICROBATCHES:,} "
+            f"{size:,} forwards to simulate and draw, more than {MAX_SIMULATED_FORWARDS:,} "
             "(about half a minute); use fewer steps (3 show the steady state) or microbatches, "
             "or `nobubble plan` for the figures of large shapes"
         )
@@ -150,8 +150,6 @@ def _check_size(args: argparse.Namespace, name: str) -> None:
 
 def _check(args: argparse.Namespace, names: Sequence[str]) -> None:
     """What can be wrong with the flags, found before any work."""
-    if args.width < 1:
-        raise ScheduleError(f"--width must be at least 1, got {args.width}")
     if args.chunks is not None and args.schedule != "all":
         problem = schedule_spec(args.schedule).chunk_problem(args.chunks)
         if problem:

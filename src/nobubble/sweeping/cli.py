@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from nobubble.config.flags import whole
 from nobubble.destinations import make_output_folder
 from nobubble.folder_lock import hold
 from nobubble.sweeping.best import Pending
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=whole(),
         default=1,
         help="processes at a time; a pipeline run takes one per stage (default: 1)",
     )
@@ -94,8 +95,6 @@ class SweepRun:
     """One invocation of ``nobubble sweep``: plans phase by phase and runs what is not done."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        if args.jobs < 1:
-            raise SweepError(f"--jobs must be at least 1, got {args.jobs}")
         self.args = args
         self.sweep = load_sweep(args.config, out=args.out)
         names = [self.sweep.phase(n).name for n in args.phase or []]

@@ -28,8 +28,10 @@ every other key PHASE's grid varies (seeds aside). Without ``[[phase]]`` blocks,
 
 from __future__ import annotations
 
+import collections
 import difflib
 import itertools
+import math
 import re
 import tomllib
 from collections.abc import Iterable
@@ -37,12 +39,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import FIELDS, ConfigError, coerce, unknown_key_error
+from nobubble.config import FIELDS, ConfigError, Range, coerce, unknown_key_error
 
 LAUNCHERS = ("python", "torchrun")
 BEST_PREFIX = "best:"
 LOGS_DIR = "_sweep"  # per-run config files and logs, beside the phase folders
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+# the runs of one phase (the sizes of its grids' axes multiplied, summed over its grids)
+RUNS = Range(
+    1,
+    10_000,
+    high_open=False,
+    why="each is a training run, whose folder the sweep checks before the first one starts",
+)
 
 
 class SweepError(ConfigError):
@@ -211,9 +220,13 @@ def _phase(raw: dict[str, Any], base: dict[str, Any], where: str, name: str) -> 
     if launcher not in LAUNCHERS:
         choices = ", ".join(LAUNCHERS)
         raise SweepError(f"{where}.launcher must be one of {choices}, got {launcher!r}")
+    runs = sum(math.prod(len(axis.labels) for axis in grid) for grid in grids)
+    refusal = RUNS.refusal(runs)
+    if refusal:  # counted before any run is listed
+        raise SweepError(f"{where}: the runs of its grids {refusal}")
     phase = Phase(name, {**base, **fixed}, grids, launcher)
-    names = [point.name for point in phase.points()]
-    repeated = sorted({n for n in names if names.count(n) > 1})
+    counts = collections.Counter(point.name for point in phase.points())
+    repeated = sorted(name for name, count in counts.items() if count > 1)
     if repeated:
         raise SweepError(f"{where}: its grids give these runs twice: {', '.join(repeated)}")
     return phase
