@@ -17,7 +17,7 @@ from nobubble.optim.composite import CompositeOptimizer
 from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.lr_schedule import set_lr
 from nobubble.optim.param_groups import Kind, classify
-from nobubble.optim.registry import OPTIMIZERS, build_optimizer
+from nobubble.optim.registry import OPTIMIZERS, build_optimizer, state_elements
 from nobubble.unused import READ_WHEN, RunFacts
 from nobubble.update import build_stage_optimizer
 
@@ -283,3 +283,31 @@ def test_each_optimizer_and_correction_reads_the_settings_the_config_says_it_rea
     assert {"beta1", "beta3", "eps", "momentum", "nesterov", "ef_gamma", "dc_lambda"} <= checked
     for case, (read, said) in cases.items():
         assert read == said & checked, case
+
+
+def _state_elements(state) -> int:
+    """The elements of the tensors in one parameter's optimizer state, scalars left out."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() if state.ndim else 0
+    if isinstance(state, list | tuple):
+        return sum(map(_state_elements, state))
+    if isinstance(state, dict):
+        return sum(map(_state_elements, state.values()))
+    return 0
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_the_state_each_parameter_costs_is_what_the_optimizer_holds(optim: str, momentum) -> None:
+    """state_elements (what zero=1, 2 balance over the replicas) against the optimizer's state
+    after a step, for every kind of parameter (MoE experts and routers too)."""
+    named = list(build_model(SMALL_MOE).named_parameters())
+    opt = build_optimizer(named, TrainConfig(optim=optim, momentum=momentum))
+    _set_grads(named, 0)
+    opt.step()
+    states = [part.state for part in getattr(opt, "optimizers", [opt])]
+    for name, param in named:
+        if not param.requires_grad:
+            continue
+        held = sum(_state_elements(state[param]) for state in states if param in state)
+        assert state_elements(optim, momentum, name, param) == held, name

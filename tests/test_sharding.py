@@ -21,7 +21,7 @@ from nobubble.configure import build_config
 from nobubble.model.layers import build_model
 from nobubble.model.resolve import model_config
 from nobubble.optim.param_groups import classify
-from nobubble.optim.registry import OPTIMIZERS, updates_whole
+from nobubble.optim.registry import OPTIMIZERS, state_elements, updates_whole
 from nobubble.pipeline.shards import ShardedUpdate
 from nobubble.pipeline.transport import Transport, install
 from nobubble.sharding import ShardPlan
@@ -74,9 +74,9 @@ def _train(cfg, params, plans, steps: int = 3):
 
 
 def _plans(params, optim: str, dp: int, split_everything: bool = False) -> list[ShardPlan]:
-    shapes = {n: tuple(p.shape) for n, p in params.items()}
-    whole = [] if split_everything else [n for n, p in params.items() if updates_whole(optim, n, p)]
-    return [ShardPlan(shapes, dp, r, whole) for r in range(dp)]
+    if not split_everything:
+        return [ShardPlan.of(params, optim, 0.9, dp, r) for r in range(dp)]
+    return [ShardPlan({n: tuple(p.shape) for n, p in params.items()}, dp, r, []) for r in range(dp)]
 
 
 @pytest.mark.parametrize("optim", OPTIMIZERS)
@@ -153,6 +153,54 @@ def test_owned_parameters_are_balanced_deterministically_and_the_tied_one_first(
     mine = [{p.name: (p.lo, p.hi) for p in plan.parts()} for plan in plans]
     assert mine[0]["d"] == (0, 3) and mine[1]["d"] == (3, 6)
     assert set(mine[0]) & set(mine[1]) == {"d"}
+
+
+def _first_stage(optim: str):
+    """The trainable parameters of the first of two stages of a 4-block model (the embedding
+    and two blocks), and its config."""
+    cfg = build_config({**MODEL, "n_layers": 4, "optim": optim, "lr": 1e-2})
+    model = build_model(model_config(cfg, tokenizer_vocab=65), seed=0)
+    first = ("embed.", "blocks.0.", "blocks.1.")
+    return cfg, {n: p for n, p in model.named_parameters() if n.startswith(first)}
+
+
+def _held(state) -> int:
+    """The elements of the tensors of one parameter's optimizer state, scalars left out."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() if state.ndim else 0
+    if isinstance(state, list | tuple):
+        return sum(map(_held, state))
+    return sum(map(_held, state.values())) if isinstance(state, dict) else 0
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+def test_soap_s_owned_matrices_balance_the_state_each_replica_holds(dp):
+    """SOAP's eigenbases grow with a matrix's sides squared, not with its elements: the plan
+    balances what each replica's optimizer really holds, to within one parameter's cost."""
+    cfg, params = _first_stage("soap")
+    plans = _plans(params, "soap", dp)
+    _, _, _, part_opts = _train(cfg, params, plans, steps=1)
+    held = [sum(_held(s) for s in opt.state.values()) for opt in part_opts]
+    assert held == plans[0].state
+    costliest = max(state_elements("soap", cfg.momentum, n, params[n]) for n in plans[0].owner)
+    assert max(held) - min(held) <= costliest, held
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_where_state_is_a_multiple_of_elements_the_plan_is_the_one_elements_give(optim):
+    _, params = _first_stage(optim)
+    for momentum in (0.0, 0.9):
+        state = {n: state_elements(optim, momentum, n, p) for n, p in params.items()}
+        if len({state[n] / p.numel() for n, p in params.items()}) > 1:
+            assert optim in ("muon", "soap")  # Muon's momentum beside AdamW's two moments
+            continue
+        shapes = {n: tuple(p.shape) for n, p in params.items()}
+        whole = [n for n, p in params.items() if updates_whole(optim, n, p)]
+        for dp in (2, 3):
+            by_elements = ShardPlan(shapes, dp, 0, whole)
+            by_state = ShardPlan.of(params, optim, momentum, dp, 0)
+            assert by_state.owner == by_elements.owner
+            assert all(by_state.parts(r) == by_elements.parts(r) for r in range(dp))
 
 
 def test_a_bucket_packs_each_replicas_parts_in_equal_segments():

@@ -13,12 +13,16 @@ correction's state, and under ``zero=2`` the reduced gradient, are split. A para
   SOAP's preconditioners, MARS's per-tensor norm); the registry says which
   (:func:`nobubble.optim.registry.updates_whole`).
 
-Owned parameters go to replicas by a greedy balance of elements (largest first, to the replica
-that holds the fewest elements so far, ties by replica index), after the split blocks, so each
-replica's state is as near 1/dp as whole parameters allow. A tied weight (``first``) is placed
-first, on replica 0, so that the two stages holding its copies split it alike. The plan is a
-function of the parameters' names and shapes, ``dp`` and the optimizer only: every replica
-computes the same one.
+Owned parameters go to replicas by a greedy balance of optimizer state (the costliest first,
+to the replica that holds the least state so far, ties by elements, then by replica index),
+after the split blocks, so each replica's state is as near 1/dp as whole parameters allow. A
+parameter's state is what its optimizer holds for its shape
+(:func:`nobubble.optim.registry.state_elements`): SOAP's eigenbases grow with the square of a
+matrix's sides, not with its elements, so balancing elements would not balance SOAP's state;
+under an element-wise optimizer state is a fixed multiple of elements and the plan is the one
+elements give. A tied weight (``first``) is placed first, on replica 0, so that the two stages
+holding its copies split it alike. The plan is a function of the parameters' names and shapes,
+``dp`` and the optimizer only: every replica computes the same one.
 
 A block of rows of a row-major tensor is contiguous, and keeps the parameter's number of
 dimensions, so the optimizer classifies it as the whole parameter
@@ -27,13 +31,14 @@ dimensions, so the optimizer classifies it as the whole parameter
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nobubble.checkpoint.named_state import NamedGroup, NamedState, NamedStateError
+from nobubble.optim.registry import state_elements, updates_whole
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ class Part:
 class ShardPlan:
     """The parts of one model stage's trainable parameters (``shapes``, in order) on each of
     ``dp`` replicas; ``replica``: this process's; ``whole``: the names an update needs whole;
-    ``first``: a name to place before all others (the tied weight)."""
+    ``first``: a name to place before all others (the tied weight); ``state``: the elements of
+    optimizer state each whole parameter costs (default: its elements)."""
 
     def __init__(
         self,
@@ -79,10 +85,12 @@ class ShardPlan:
         replica: int,
         whole: Collection[str],
         first: str | None = None,
+        state: Mapping[str, int] | None = None,
     ) -> None:
         self.shapes, self.dp, self.replica = dict(shapes), dp, replica
+        cost = {n: _numel(shape) for n, shape in shapes.items()} if state is None else state
         self.owner: dict[str, int] = {}
-        load = [0] * dp
+        elements, held = [0] * dp, [0] * dp
         self._parts: list[dict[str, Part]] = [{} for _ in range(dp)]
         for name, shape in shapes.items():
             if name not in whole and len(shape) > 0:
@@ -90,16 +98,40 @@ class ShardPlan:
                 for r in range(dp):
                     lo, hi = min(r * size, rows), min((r + 1) * size, rows)
                     self._parts[r][name] = Part(name, lo, hi, shape)
-                    load[r] += self._parts[r][name].numel
+                    elements[r] += self._parts[r][name].numel
+                    held[r] += cost[name] * (hi - lo) // rows  # element-wise: by its rows
         owned = [n for n in shapes if n in whole or len(shapes[n]) == 0]
-        owned.sort(key=lambda n: (n != first, -_numel(shapes[n]), list(shapes).index(n)))
+        order = list(shapes)
+        owned.sort(key=lambda n: (n != first, -cost[n], -_numel(shapes[n]), order.index(n)))
         for name in owned:
-            r = 0 if name == first else min(range(dp), key=lambda i: (load[i], i))
+            r = 0 if name == first else min(range(dp), key=lambda i: (held[i], elements[i], i))
             self.owner[name] = r
             shape = shapes[name]
             self._parts[r][name] = Part(name, 0, shape[0] if shape else 1, shape)
-            load[r] += _numel(shape)
-        self.elements = load  # per replica
+            elements[r] += _numel(shape)
+            held[r] += cost[name]
+        self.elements, self.state = elements, held  # per replica
+
+    @classmethod
+    def of(
+        cls,
+        params: Mapping[str, torch.Tensor],
+        optim: str,
+        momentum: float,
+        dp: int,
+        replica: int,
+        first: str | None = None,
+    ) -> ShardPlan:
+        """The plan of a stage's trainable ``params`` under optimizer ``optim``: the registry
+        says which parameters it updates whole and the state each costs it."""
+        return cls(
+            {n: tuple(p.shape) for n, p in params.items()},
+            dp,
+            replica,
+            [n for n, p in params.items() if updates_whole(optim, n, p)],
+            first,
+            {n: state_elements(optim, momentum, n, p) for n, p in params.items()},
+        )
 
     def parts(self, replica: int | None = None, names: Collection[str] | None = None) -> list[Part]:
         """The non-empty parts of ``replica`` (default: this one), in parameter order, of

@@ -7,6 +7,7 @@ arguments; docs/optimizers.md lists the mapping and the reasons behind each choi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,9 @@ def _adan(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
     )
 
 
+_SOAP_MAX_PRECONDITION_DIM = 10000  # a longer side is not preconditioned (the library's default)
+
+
 def _soap(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
     from pytorch_optimizer import SOAP
 
@@ -97,7 +101,13 @@ def _soap(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
             # Precondition only the d_model side: a vocab x vocab eigenbasis costs V² memory
             # and an O(V³) eigendecomposition for little gain.
             group["max_precondition_dim"] = min(min(p.shape) for _, p in group["params"])
-    return SOAP(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return SOAP(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        max_precondition_dim=_SOAP_MAX_PRECONDITION_DIM,
+    )
 
 
 def _mars(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -176,6 +186,52 @@ _UPDATES_WHOLE: dict[str, frozenset[Kind]] = {
 def updates_whole(optim: str, name: str, param: torch.Tensor) -> bool:
     """Whether optimizer ``optim`` needs all of parameter ``name`` to update any of it."""
     return classify(name, param) in _UPDATES_WHOLE.get(optim, frozenset())
+
+
+# The elements of state an optimizer holds for a parameter of a kind and shape (with a momentum
+# setting), scalars left out: what sharded data parallelism balances over the replicas
+# (nobubble.sharding). tests/test_optim_registry.py holds it against the optimizers' states.
+StateCost = Callable[[Kind, tuple[int, ...], float], int]
+
+
+def _per_element(count: int) -> StateCost:
+    return lambda kind, shape, momentum: count * math.prod(shape)
+
+
+def _momentum_buffer(kind: Kind, shape: tuple[int, ...], momentum: float) -> int:
+    return math.prod(shape) if momentum else 0  # no buffer without momentum
+
+
+def _muon_state(kind: Kind, shape: tuple[int, ...], momentum: float) -> int:
+    moments = 1 if kind in (Kind.HIDDEN, Kind.EXPERT) else 2  # Muon's momentum; AdamW's two
+    return moments * math.prod(shape)
+
+
+def _soap_state(kind: Kind, shape: tuple[int, ...], momentum: float) -> int:
+    """Adam's two moments (in the eigenbasis) and, for each side of a matrix short enough to be
+    preconditioned, its statistics and eigenbasis (side² each); 1-D tensors take plain Adam.
+    The embeddings' limit is their shorter side (:func:`_soap`)."""
+    limit = min(shape) if kind == Kind.EMBEDDING else _SOAP_MAX_PRECONDITION_DIM
+    sides = [side for side in shape if side <= limit] if len(shape) >= 2 else []
+    return 2 * math.prod(shape) + 2 * sum(side * side for side in sides)
+
+
+_STATE_COST: dict[str, StateCost] = {
+    "adamw": _per_element(2),
+    "muon": _muon_state,
+    "lion": _per_element(1),
+    "adan": _per_element(4),  # exp_avg, exp_avg_sq, exp_avg_diff and the previous gradient
+    "soap": _soap_state,
+    "mars": _per_element(3),  # exp_avg, exp_avg_sq and the last gradient
+    "signum": _momentum_buffer,
+    "nadamw": _per_element(2),
+    "sgd": _momentum_buffer,
+}
+
+
+def state_elements(optim: str, momentum: float, name: str, param: torch.Tensor) -> int:
+    """The elements of state optimizer ``optim`` holds for parameter ``name`` (scalars aside)."""
+    return _STATE_COST[optim](classify(name, param), tuple(param.shape), momentum)
 
 
 def settings_read(optim: str, momentum: float) -> frozenset[str]:

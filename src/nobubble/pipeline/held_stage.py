@@ -19,7 +19,6 @@ from nobubble.model.layers import Stage
 from nobubble.model.moe import pack_routing, unpack_routing
 from nobubble.model.partition import TIED_WEIGHT, StageSpec, holds_tied_copy
 from nobubble.model.presets import ModelConfig
-from nobubble.optim.registry import updates_whole
 from nobubble.pipeline.replicas import ReplicaReduction
 from nobubble.pipeline.shards import ShardedUpdate, StageGroups
 from nobubble.pipeline.split_backward import SplitBackward
@@ -63,9 +62,9 @@ class HeldStage:
         plan = None
         self.shard_groups = shard_groups
         if shard_groups is not None:  # zero > 0: this replica updates its part
-            whole = [n for n, p in trainable.items() if updates_whole(cfg.optim, n, p)]
-            shapes = {n: tuple(p.shape) for n, p in trainable.items()}
-            plan = ShardPlan(shapes, layout.dp, layout.replica, whole, self.tied_name)
+            plan = ShardPlan.of(
+                trainable, cfg.optim, cfg.momentum, layout.dp, layout.replica, self.tied_name
+            )
         self.trained = TrainedStage(
             index, params, delay, cfg, self.tied_name, self.first, shard=plan
         )
