@@ -507,3 +507,29 @@ def test_the_applied_step_error_beside_the_gap_and_its_rank_correlation(tmp_path
     assert (
         "applied-step cosine and its gap vs sync, over the 3 groups with both: -0.50." in staleness
     )
+
+
+def test_settings_that_do_nothing_in_a_run_do_not_keep_its_seeds_apart(tmp_path):
+    """zero=1 at dp=1 and a momentum AdamW does not have change nothing (nobubble.unused): such
+    runs pool with the others' seeds; at dp=2, where zero is read, it still tells runs apart."""
+    root = tmp_path / "runs"
+    make_run(root, 2.0, seed=0)
+    make_run(root, 2.2, seed=1, zero=1)
+    make_run(root, 2.4, seed=2, momentum=0.5)
+    make_run(root, 2.0, seed=0, dp=2)
+    make_run(root, 2.1, seed=0, dp=2, zero=1)
+    runs, _ = discover([root])
+    groups = group_runs(runs)
+    seeds = sorted(sorted(r.settings["seed"] for r in g.runs) for g in groups)
+    assert seeds == [[0], [0], [0, 1, 2]]
+    pooled = next(g for g in groups if len(g.runs) == 3)
+    assert (pooled.settings["zero"], pooled.settings["dp"]) == (0, 1)
+
+
+def test_a_config_json_that_no_longer_builds_is_named_in_one_line(tmp_path, capsys):
+    run = make_run(tmp_path / "runs", 2.0)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "preset": "no-such-preset"}))
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(run / "config.json") in err and "no-such-preset" in err and err.count("\n") == 1

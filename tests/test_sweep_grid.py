@@ -211,9 +211,11 @@ def test_folder_states(tmp_path):
 
 def test_a_run_saved_before_the_partition_key_is_complete_for_a_grid_that_pins_blocks(tmp_path):
     """Such a run was split by partition=blocks, the default then: a grid that pins blocks finds
-    it complete, one left at today's default (flops) finds another run in its folder."""
+    it complete, one left at today's default (flops) finds another run in its folder (of two
+    stages: one stage has nothing to split, and partition does nothing)."""
     for partition, status in (("blocks", Status.COMPLETE), ("flops", Status.CONFLICT)):
-        spec = load_sweep(write(tmp_path, f'[base]\npartition = "{partition}"\n[grid]\nseed = [0]'))
+        base = f'[base]\npartition = "{partition}"\nstages = 2\n[grid]\nseed = [0]'
+        spec = load_sweep(write(tmp_path, base))
         (run,) = plan(spec, "", {})
         finish(run, 2.0)
         saved = run.config.to_dict()

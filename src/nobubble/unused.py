@@ -19,7 +19,7 @@ from nobubble.corrections.registry import REGISTRY as CORRECTIONS
 from nobubble.corrections.registry import chosen
 from nobubble.data.sources import BIN_SUFFIX, DATA_SUFFIXES
 from nobubble.layout import ParallelLayout
-from nobubble.model.resolve import MOE_SETTINGS
+from nobubble.model.resolve import MOE_SETTINGS, model_config
 from nobubble.optim.lr_schedule import SETTINGS_READ as LR_SCHEDULE_SETTINGS
 from nobubble.optim.registry import OPTIMIZER_SETTINGS, OPTIMIZERS, settings_read
 from nobubble.schedules.registry import schedule_spec
@@ -35,6 +35,11 @@ class RunFacts:
 
     moe: bool  # the model has mixture-of-experts blocks (a preset's, or moe_experts > 0)
     torchrun: bool  # the pipeline runtime runs it (a process per stage), not the one process
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, torchrun: bool) -> RunFacts:
+        """The facts of the run of ``cfg``, launched under torchrun or not."""
+        return cls(moe=bool(model_config(cfg, tokenizer_vocab=1).moe_blocks()), torchrun=torchrun)
 
 
 Condition = Callable[[TrainConfig, RunFacts], bool]
@@ -210,3 +215,11 @@ def unused_settings(cfg: TrainConfig, given: Iterable[str], facts: RunFacts) -> 
                 "or change that"
             )
     return unused
+
+
+def never_read(cfg: TrainConfig) -> list[str]:
+    """The settings the run of ``cfg`` reads neither in one process nor under torchrun: whatever
+    their values, they change nothing in it (``zero`` at dp=1, a hyperparameter its optimizer
+    does not have)."""
+    launches = [RunFacts.of(cfg, torchrun) for torchrun in (False, True)]
+    return [key for key, when in READ_WHEN.items() if not any(when.holds(cfg, f) for f in launches)]

@@ -15,15 +15,17 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import FIELDS, ConfigError, coerce, from_saved
+from nobubble.config import FIELDS, ConfigError, TrainConfig, coerce, from_saved
 from nobubble.downstream.scores import Column, Score, latest_scores
-from nobubble.files import read_json_lines, read_json_object
+from nobubble.files import DamagedFile, read_json_lines, read_json_object
 from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
 from nobubble.schedules.registry import SCHEDULES
 from nobubble.staleness import DRIFT, STEP_MEASURES
+from nobubble.unused import never_read
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
@@ -53,12 +55,23 @@ class ReportError(ConfigError):
 def result_settings(config: dict[str, Any]) -> dict[str, Any]:
     """Every setting that can change a run's result; keys missing from an older config.json mean
     what they meant when it was saved (:func:`nobubble.config.from_saved`), so adding a config
-    key or changing a default does not make old runs look different, and ``chunks`` left to the
-    schedule (``null``, as earlier versions saved it) is the schedule's."""
-    saved = from_saved(config)
+    key or changing a default does not make old runs look different; a setting the run never
+    reads (:func:`nobubble.unused.never_read`: ``zero`` at dp=1) is as if left out, its
+    default; and ``chunks`` left to the schedule (``null``, as earlier versions saved it) is the
+    schedule's."""
+    saved = _schedule_chunks(from_saved(config))
     settings = {key: saved[key] for key in FIELDS if key not in NON_RESULT_KEYS}
+    # not build_config: a check added since the run was trained must not hide it from reports
+    for key in never_read(TrainConfig(**{key: saved[key] for key in FIELDS})):
+        if key in settings:
+            settings[key] = FIELDS[key].default
+    return _schedule_chunks(settings)
+
+
+def _schedule_chunks(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``chunks`` left to the schedule (``null``) as the schedule's."""
     if settings["chunks"] is None and settings["schedule"] in SCHEDULES:
-        settings["chunks"] = SCHEDULES[settings["schedule"]].default_chunks
+        return {**settings, "chunks": SCHEDULES[settings["schedule"]].default_chunks}
     return settings
 
 
@@ -90,7 +103,7 @@ class Run:
     # the measures taken every N steps (STEP_MEASURES): key -> (step, mean over the stages)
     measured: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def settings(self) -> dict[str, Any]:
         return result_settings(self.config)
 
@@ -179,6 +192,10 @@ def load_run(path: Path, summary: dict[str, Any]) -> tuple[Run, str | None]:
     lines are damaged."""
     metrics = read_metrics(path / "metrics.jsonl")
     config = read_json_object(path / "config.json", CONFIG_FIX)
+    try:  # a config.json that no longer builds is named here, not deep in a table
+        result_settings(config)
+    except ConfigError as exc:
+        raise DamagedFile(f"{path / 'config.json'} is damaged: {exc}; {CONFIG_FIX}") from None
     run = Run(path, config, summary, metrics.evals, latest_scores(path), metrics.measured)
     if not metrics.damaged:
         return run, None
