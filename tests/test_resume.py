@@ -54,6 +54,34 @@ def test_resume_is_identical_to_an_uninterrupted_run(tmp_path, kind):
     assert json.loads((tmp_path / "cut" / "summary.json").read_text())["resumed_at_step"] == 6
 
 
+TIME_KEYS = ("tokens_per_s", "train_time_s", "mfu")  # differ from run to run
+
+
+def lines_but_times(run: Path) -> list[dict]:
+    return [{k: v for k, v in line.items() if k not in TIME_KEYS} for line in metrics(run)]
+
+
+def test_the_checkpoint_s_own_metrics_line_cut_short_is_written_again(tmp_path):
+    """The newest checkpoint is of step 6, which evaluated, and metrics.jsonl's last line, step
+    6's, was cut short after it was saved (a hard kill, a machine that lost its page cache): the
+    resumed run starts after step 6, so the line comes back from the checkpoint, val_loss and
+    all, and the run's lines are the uninterrupted run's."""
+    settings = ["schedule=2bw", "ef=true", "microbatches=2", "steps=8", "eval_every=3"]
+    settings += ["checkpoint_every=6", "keep_checkpoints=5"]
+    assert train(tmp_path / "full", *settings) == 0
+    cut = tmp_path / "cut"
+    assert train(cut, *settings) == 0
+    shutil.rmtree(cut / "checkpoints" / "step_000008")
+    (cut / "summary.json").unlink()
+    lines = (cut / "metrics.jsonl").read_text().splitlines(keepends=True)
+    step6 = next(i for i, line in enumerate(lines) if json.loads(line)["step"] == 6)
+    (cut / "metrics.jsonl").write_text("".join(lines[:step6]) + lines[step6][:40])
+    with pytest.warns(UserWarning, match="dropping 1 damaged line"):
+        assert resume(cut) == 0
+    assert lines_but_times(cut) == lines_but_times(tmp_path / "full")
+    assert "val_loss" in next(line for line in metrics(cut) if line["step"] == 6)
+
+
 def test_checkpoints_are_kept_pruned_and_verified(tmp_path):
     assert train(tmp_path / "r", "steps=7", "checkpoint_every=2", "keep_checkpoints=2") == 0
     folders = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())

@@ -15,6 +15,7 @@ here ever deletes a run it was asked to continue.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import warnings
@@ -217,22 +218,27 @@ def latest_valid_checkpoint(root: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def metrics_up_to(run: RunFolder, step: int) -> str | None:
+def metrics_up_to(run: RunFolder, step: int, at_step: list[dict]) -> str | None:
     """metrics.jsonl as the run continuing from ``step`` has it (None: there is none): the lines
     up to ``step`` (the resumed run writes the later ones again), without damaged lines (a line
-    cut short by a hard kill), with a warning if there were any."""
+    cut short by a hard kill), with a warning if there were any. ``at_step``: the lines of
+    ``step`` its checkpoint keeps, written again if metrics.jsonl has lost them (its last line
+    cut short after the checkpoint was saved), since the resumed run starts after ``step``."""
     if not run.metrics_path.exists():
         return None
     fix = "move it out of the run folder (the resumed run starts a new one)"
     lines, damaged = read_json_lines(run.metrics_path, fix)
+    kept = [text for text, record in lines if _step_of(record) <= step]
+    lost = not any(_step_of(record) == step for _, record in lines)
+    restored = [json.dumps(record) for record in at_step] if lost else []
     if damaged:
+        again = f"; step {step}'s line is restored from its checkpoint" if restored else ""
         warnings.warn(
             f"{run.metrics_path}: dropping {damaged} damaged line(s) (cut short by a hard kill, "
-            "or garbage)",
+            f"or garbage){again}",
             stacklevel=2,
         )
-    kept = [text for text, record in lines if _step_of(record) <= step]
-    return "".join(text + "\n" for text in kept)
+    return "".join(text + "\n" for text in kept + restored)
 
 
 def _step_of(record: dict) -> float:
@@ -314,16 +320,17 @@ def reopen(cfg: TrainConfig, path: Path, flag: str) -> Resumption:
             "or more"
         )
     check_format(checkpoint, manifest)
+    meta = read_meta(checkpoint)
     # config.json may already name a layout that no checkpoint was saved in yet
-    at_checkpoint = build_config(from_saved(read_meta(checkpoint)["config"]))
+    at_checkpoint = build_config(from_saved(meta["config"]))
     run = RunFolder(path)
     check_replaceable(run.summary_path)
-    metrics = metrics_up_to(run, step)
+    metrics = metrics_up_to(run, step, meta.get("metrics", []))  # older checkpoints: none
     check_layout_change(at_checkpoint, cfg, path)
     note = split_change_note(at_checkpoint, cfg, step)
     if note:
         warnings.warn(f"continuing {path} with another stage split: {note}", stacklevel=2)
-    if read_meta(checkpoint).get("tokenizer_sha256") != tokenizer_digest(path):
+    if meta.get("tokenizer_sha256") != tokenizer_digest(path):
         raise CheckpointError(
             f"{path / 'tokenizer.json'} is not the tokenizer {checkpoint} was trained with; "
             "restore the run's original tokenizer.json"

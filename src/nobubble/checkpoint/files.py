@@ -10,7 +10,8 @@ Layout of ``checkpoints/step_NNNNNN`` (format 2)::
                                   ``nesterov/{name}``...) and the torch RNG state
     shard_0/state.json            step, the shard's parameter names, the optimizer's scalars and
                                   param-group hyperparameters by name (named_state.py)
-    shard_0/meta.json             data position, config, tokenizer checksum, time so far
+    shard_0/meta.json             data position, config, tokenizer checksum, time so far, the
+                                  metrics lines of its step
     shard_1/...                   pipeline: one shard per stage, written by the rank that holds
                                   it (replica 0 of the stage); one process: a single shard
 

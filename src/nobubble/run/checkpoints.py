@@ -27,11 +27,18 @@ from nobubble.runfolder import RunFolder
 
 
 def save_checkpoint(
-    run: RunFolder, engine: Engine, data: DataBundle | None, cfg: TrainConfig, elapsed: Elapsed
+    run: RunFolder,
+    engine: Engine,
+    data: DataBundle | None,
+    cfg: TrainConfig,
+    elapsed: Elapsed,
+    lines: list[dict],
 ) -> None:
     """Replica 0 of every stage writes that stage's shard (the replicas of a stage hold the same
     weights, and the same optimizer state, or with ``zero`` > 0 parts of it that replica 0
-    gathers); the leader seals the checkpoint once all are written."""
+    gathers); the leader seals the checkpoint once all are written. ``lines``: the metrics lines
+    of the step (the leader's), kept so that a resume can write them again if metrics.jsonl
+    loses them."""
     root, layout = run.checkpoints, engine.layout
     state = engine.checkpoint_state()  # every replica: with sharded state, gathered on replica 0
     if layout.replica == 0:
@@ -42,6 +49,7 @@ def save_checkpoint(
             "tokenizer_sha256": tokenizer_digest(run.path) if layout.is_leader else None,
             "config": cfg.to_dict(),
             "elapsed": asdict(elapsed),
+            "metrics": lines,
         }
         write_shard(
             staging_dir(root, engine.step),

@@ -98,7 +98,7 @@ def run_training(
             log.end_segment()
             if engine.step < stop:  # a stop was requested: keep what was done, then leave
                 log.flush()
-                save_checkpoint(run, engine, data, cfg, log.elapsed())
+                save_checkpoint(run, engine, data, cfg, log.elapsed(), log.lines_at(engine.step))
                 raise Interrupted(
                     getattr(should_stop, "signum", None) or signal.SIGTERM,
                     f"stopped at step {engine.step} and saved a checkpoint; continue with: "
@@ -110,7 +110,7 @@ def run_training(
                     log.on_stages(stop, engine.stage_reports(digests=False))
             log.flush()
             if pause.save:
-                save_checkpoint(run, engine, data, cfg, log.elapsed())
+                save_checkpoint(run, engine, data, cfg, log.elapsed(), log.lines_at(engine.step))
         stages = engine.stage_reports()
         log.on_stages(engine.step, stages)
     if not leader:

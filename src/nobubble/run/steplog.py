@@ -50,6 +50,7 @@ class StepLogger:
         self.started = self.segment_start = time.perf_counter()
         self.done = start
         self.pending: dict | None = None
+        self.written: list[dict] = []  # the lines written at the newest step written
         self.last_eval: tuple[int, float, float] | None = None  # step, val_loss, val_bpb
         show = cfg.progress and enabled
         self.bar = tqdm(total=cfg.steps, initial=start, disable=not show, unit="step")
@@ -127,7 +128,15 @@ class StepLogger:
         if self.pending is not None and self.enabled:
             self.run.append_metrics(self.pending)
             self.loggers.log(self.pending["step"], scalars_of(self.pending))
+            if self.written and self.written[-1]["step"] != self.pending["step"]:
+                self.written = []
+            self.written.append(self.pending)
             self.pending = None
+
+    def lines_at(self, step: int) -> list[dict]:
+        """The metrics lines written at ``step``, if it is the newest step written (what a
+        checkpoint of ``step`` keeps: :func:`nobubble.resume.metrics_up_to`)."""
+        return [line for line in self.written if line["step"] == step]
 
     def close(self, error: BaseException | None = None) -> None:
         try:
