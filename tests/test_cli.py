@@ -1,20 +1,25 @@
 """The command line as a user meets it: the run folder it writes and the errors it gives."""
 
+import ast
 import contextlib
+import importlib
 import json
 import re
 import string
 import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nobubble.cli import build_parser, chosen_keys, main, warn_unused_settings
-from nobubble.config import FIELDS, ConfigError, load_toml, parse_overrides
+import nobubble
+from nobubble.cli import build_parser, chosen_keys, main, warn_unused_settings, warnings_in_one_line
+from nobubble.config import FIELDS, ConfigError, NobubbleWarning, load_toml, parse_overrides
 from nobubble.configure import build_config
 from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning
-from tests.pipeline_helpers import SMALL
+from tests.launcher import run_nobubble
+from tests.pipeline_helpers import SMALL, env
 
 
 def train(*args: str) -> int:
@@ -89,7 +94,7 @@ def test_bad_input_gets_one_clear_line_and_leaves_nothing(tmp_path, capsys, args
 def test_a_non_finite_abort_records_the_step_that_aborted(tmp_path, capsys):
     out = tmp_path / "run"
     diverge = ["lr=1e30", "grad_clip=0", "warmup_steps=0", "nonfinite_patience=3", "log_every=50"]
-    with pytest.warns(RuntimeWarning, match="non-finite loss or gradient"):
+    with pytest.warns(NobubbleWarning, match="non-finite loss or gradient"):
         assert train("--out", str(out), *SMALL, *diverge, "steps=20") == 2
     last = int(re.search(r"last at step (\d+)", capsys.readouterr().err).group(1))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -287,3 +292,41 @@ def test_any_toml_file_gives_a_config_or_a_config_error(tmp_path_factory, text):
     path.write_text(text)
     with contextlib.suppress(ConfigError):
         build_config(load_toml(path))
+
+
+def test_nobubble_s_warnings_are_one_line_without_python_s_source_line(tmp_path):
+    """A setting that does nothing, said by the command line as it is run: one line, not
+    ``cli.py:124: UnusedSettingWarning: ...`` and the code line under it."""
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run"  # refused after the warning: nothing trains
+    done = run_nobubble(["train", "--out", str(out), "zero=1"], env=env())
+    assert done.returncode == 2, done.stderr
+    warning, error = done.stderr.splitlines()
+    assert warning.startswith("nobubble: warning: zero=1 ")
+    assert error.startswith("nobubble: error: ")
+
+
+def test_only_nobubble_s_own_warnings_change_their_format():
+    python = warnings.formatwarning
+    with warnings_in_one_line():
+        ours = warnings.formatwarning("x=1 does nothing", UnusedSettingWarning, "cli.py", 1, "w()")
+        theirs = warnings.formatwarning("old", DeprecationWarning, "lib.py", 7, "f()")
+    assert ours == "nobubble: warning: x=1 does nothing\n"
+    assert theirs == python("old", DeprecationWarning, "lib.py", 7, "f()")
+    assert warnings.formatwarning is python  # as it was once the command is done
+
+
+def test_every_warning_nobubble_gives_is_a_nobubble_warning():
+    """The command line shows a NobubbleWarning in one line; a warning of another category
+    would print in Python's format, source line and all."""
+    root = Path(nobubble.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "warnings.warn"):
+                continue
+            given = [*node.args[1:2], *(k.value for k in node.keywords if k.arg == "category")]
+            where = f"{path}:{node.lineno}"
+            assert given, f"{where}: warnings.warn without a category"
+            category = getattr(importlib.import_module(module), ast.unparse(given[0]))
+            assert issubclass(category, NobubbleWarning), where

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nobubble.cli import main
-from nobubble.config import ConfigError, TrainConfig
+from nobubble.config import ConfigError, NobubbleWarning, TrainConfig
 from nobubble.reporting import cli as report
 from nobubble.reporting.groups import compare, group_runs
 from nobubble.reporting.plots import final_limits, plot_curves
@@ -227,7 +227,7 @@ def diverged_run(tmp_path_factory) -> Path:
     """A run the non-finite policy stopped, as training leaves it (a real run of a few seconds)."""
     out = tmp_path_factory.mktemp("diverged") / "run"
     argv = ["train", "--no-progress", "--out", str(out), *SMALL, *DIVERGE, "steps=20"]
-    with pytest.warns(RuntimeWarning, match="non-finite loss or gradient"):
+    with pytest.warns(NobubbleWarning, match="non-finite loss or gradient"):
         assert main(argv) == 2
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == "non-finite" and "steps in a row" in summary["reason"]

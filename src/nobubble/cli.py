@@ -8,18 +8,26 @@ Every field of :class:`nobubble.config.TrainConfig` is a flag (``--batch-size 32
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from nobubble.config import FIELDS, HINTS, ConfigError, TrainConfig, load_toml, parse_overrides
+from nobubble.config import (
+    FIELDS,
+    HINTS,
+    ConfigError,
+    NobubbleWarning,
+    TrainConfig,
+    load_toml,
+    parse_overrides,
+)
 from nobubble.config.flags import OneLineParser
 from nobubble.configure import REGISTRY_NAMES, asks_for_auto, build_config
 from nobubble.corrections.auto import choose
-from nobubble.model.resolve import model_config
+from nobubble.layout import first_process
 from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
 
 
@@ -106,8 +114,7 @@ def chosen_keys(layers: Sequence[dict]) -> set[str]:
 
 def warn_unused_settings(cfg: TrainConfig, chosen: set[str], torchrun: bool) -> None:
     """Warn about each of the ``chosen`` settings that this run never reads."""
-    facts = RunFacts(moe=bool(model_config(cfg, tokenizer_vocab=1).moe_blocks()), torchrun=torchrun)
-    for message in unused_settings(cfg, chosen, facts).values():
+    for message in unused_settings(cfg, chosen, RunFacts.of(cfg, torchrun)).values():
         warnings.warn(message, UnusedSettingWarning, stacklevel=2)
 
 
@@ -119,7 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     layers, torchrun = config_layers(args), launched_by_torchrun()
     cfg = resumed_config(Path(args.resume), *layers) if args.resume else build_config(*layers)
-    if os.environ.get("RANK", "0") == "0":  # one warning, not one per pipeline stage
+    if first_process():  # one warning, not one per pipeline stage
         if asks_for_auto(layers):
             print(f"nobubble: {choose(cfg).why}", flush=True)
         # a resumed run's saved settings are no layer: only what is given now is named
@@ -127,11 +134,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         train(cfg, args.overwrite, resume=bool(args.resume), auto_resume=args.auto_resume)
     except RunFinished as finished:
-        if os.environ.get("RANK", "0") == "0":  # one line, not one per pipeline stage
+        if first_process():  # one line, not one per pipeline stage
             print(f"nobubble: {finished}")
         return 0
     except Interrupted as stop:
-        print(f"nobubble: {stop}", file=sys.stderr)
+        if first_process():  # every rank stops after the same step: one line says so
+            print(f"nobubble: {stop}", file=sys.stderr)
         return 128 + stop.signum
     return 0
 
@@ -217,7 +225,34 @@ def run_command(args: argparse.Namespace) -> int:
         return 130
 
 
+@contextlib.contextmanager
+def warnings_in_one_line() -> Iterator[None]:
+    """While a command runs, show nobubble's own warnings (:class:`NobubbleWarning`) as one
+    ``nobubble: warning: ...`` line, every other warning in Python's format (its source line
+    and code line point at the library that gave it). Only how a warning is shown changes:
+    filters and recorders (``warnings.catch_warnings``, ``pytest.warns``) see it as before."""
+    python = warnings.formatwarning
+
+    def formatted(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        line: str | None = None,
+    ) -> str:
+        if issubclass(category, NobubbleWarning):
+            return f"nobubble: warning: {message}\n"
+        return python(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
+    try:
+        yield
+    finally:
+        warnings.formatwarning = python
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    code = run_command(build_parser().parse_args(argv))
+    with warnings_in_one_line():
+        code = run_command(build_parser().parse_args(argv))
     process_group = sys.modules.get("nobubble.pipeline.process_group")  # only if a run used one
     return process_group.exit_code(code) if process_group else code

@@ -27,6 +27,7 @@ description only.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,12 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp")  # outermost first
+
+
+def first_process() -> bool:
+    """Whether this process is the first of its launch (rank 0 under torchrun, the leader of
+    every layout; the only process without): the one that prints what is said once a launch."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 @dataclass(frozen=True)

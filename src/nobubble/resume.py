@@ -31,7 +31,7 @@ from nobubble.checkpoint.files import (
     sha256,
     verify_checkpoint,
 )
-from nobubble.config import FIELDS, ConfigError, TrainConfig, from_saved
+from nobubble.config import FIELDS, ConfigError, NobubbleWarning, TrainConfig, from_saved
 from nobubble.config.fields import FREE
 from nobubble.config.fields import LAYOUT as LAYOUT_CHANGE
 from nobubble.configure import build_config
@@ -212,7 +212,9 @@ def latest_valid_checkpoint(root: Path) -> tuple[Path, dict] | None:
         try:
             manifest = verify_checkpoint(folder)
         except CheckpointError as exc:
-            warnings.warn(f"{exc}; falling back to an older checkpoint", stacklevel=2)
+            warnings.warn(
+                f"{exc}; falling back to an older checkpoint", NobubbleWarning, stacklevel=2
+            )
             continue
         return folder, manifest
     return None
@@ -236,6 +238,7 @@ def metrics_up_to(run: RunFolder, step: int, at_step: list[dict]) -> str | None:
         warnings.warn(
             f"{run.metrics_path}: dropping {damaged} damaged line(s) (cut short by a hard kill, "
             f"or garbage){again}",
+            NobubbleWarning,
             stacklevel=2,
         )
     return "".join(text + "\n" for text in kept + restored)
@@ -329,7 +332,9 @@ def reopen(cfg: TrainConfig, path: Path, flag: str) -> Resumption:
     check_layout_change(at_checkpoint, cfg, path)
     note = split_change_note(at_checkpoint, cfg, step)
     if note:
-        warnings.warn(f"continuing {path} with another stage split: {note}", stacklevel=2)
+        warnings.warn(
+            f"continuing {path} with another stage split: {note}", NobubbleWarning, stacklevel=2
+        )
     if meta.get("tokenizer_sha256") != tokenizer_digest(path):
         raise CheckpointError(
             f"{path / 'tokenizer.json'} is not the tokenizer {checkpoint} was trained with; "

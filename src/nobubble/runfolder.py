@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import ConfigError, TrainConfig
+from nobubble.config import ConfigError, NobubbleWarning, TrainConfig
 from nobubble.corrections.registry import chosen
 from nobubble.destinations import check_output_folder
 from nobubble.files import DamagedFile, read_json_object, write_json_atomic
@@ -208,6 +208,7 @@ class NewRun:
                 warnings.warn(
                     f"could not delete the replaced run {aside}: {exc}; delete it yourself "
                     f"(rm -r {shlex.quote(str(aside))})",
+                    NobubbleWarning,
                     stacklevel=2,
                 )
         tidy_leftovers(self.full)
@@ -296,6 +297,7 @@ def tidy_leftovers(full: Path) -> None:
                     f"{entry} is the setup folder of a run of {full.name} that {made_by} was "
                     "setting up; it holds nothing of value: once that process has ended, delete "
                     f"it (rm -r {quoted})",
+                    NobubbleWarning,
                     stacklevel=2,
                 )
             else:
@@ -303,5 +305,6 @@ def tidy_leftovers(full: Path) -> None:
                     f"{entry} holds a run of {full.name} that an --overwrite by {made_by} "
                     f"replaced but did not finish deleting; delete it (rm -r {quoted}) unless "
                     "you want to keep something in it",
+                    NobubbleWarning,
                     stacklevel=2,
                 )

@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
-from nobubble.config import ConfigError, TrainConfig, chosen_loggers
+from nobubble.config import ConfigError, NobubbleWarning, TrainConfig, chosen_loggers
 from nobubble.files import write_json_atomic
 from nobubble.interrupt import Interrupted
 from nobubble.stage_report import IDENTIFIERS, read_stage_report
@@ -86,7 +86,9 @@ class Loggers:
             try:
                 logger.close(error)
             except Exception as exc:  # reported; the others are still closed
-                warnings.warn(f"could not close {type(logger).__name__}: {exc}", stacklevel=2)
+                warnings.warn(
+                    f"could not close {type(logger).__name__}: {exc}", NobubbleWarning, stacklevel=2
+                )
 
 
 def open_loggers(cfg: TrainConfig, run_dir: Path, start: int) -> Loggers:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from nobubble.config import FIELDS, TrainConfig, chosen_loggers
+from nobubble.config import FIELDS, NobubbleWarning, TrainConfig, chosen_loggers
 from nobubble.corrections.registry import REGISTRY as CORRECTIONS
 from nobubble.corrections.registry import chosen
 from nobubble.data.sources import BIN_SUFFIX, DATA_SUFFIXES
@@ -25,7 +25,7 @@ from nobubble.optim.registry import OPTIMIZER_SETTINGS, OPTIMIZERS, settings_rea
 from nobubble.schedules.registry import schedule_spec
 
 
-class UnusedSettingWarning(UserWarning):
+class UnusedSettingWarning(NobubbleWarning):
     """A setting the user gave that the run never reads (:func:`unused_settings`)."""
 
 

@@ -3,7 +3,14 @@ checks the schema alone can make. It imports nothing else of nobubble (docs/arch
 
 from nobubble.config.checks import check_schema, profile_range
 from nobubble.config.correction import correction_names
-from nobubble.config.fields import ConfigError, Range, check_choice, setting, suggest
+from nobubble.config.fields import (
+    ConfigError,
+    NobubbleWarning,
+    Range,
+    check_choice,
+    setting,
+    suggest,
+)
 from nobubble.config.logging import chosen_loggers
 from nobubble.config.parse import (
     base_type,
@@ -22,6 +29,7 @@ __all__ = [
     "SECTIONS",
     "SECTION_OF",
     "ConfigError",
+    "NobubbleWarning",
     "Range",
     "TrainConfig",
     "base_type",

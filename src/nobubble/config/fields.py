@@ -20,6 +20,11 @@ class ConfigError(ValueError):
     """A configuration problem a user can fix; the message says how."""
 
 
+class NobubbleWarning(UserWarning):
+    """A warning of nobubble's own (the command line shows it as one ``nobubble: warning:``
+    line, without Python's source line and code line)."""
+
+
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key or flag accepts: ``low`` to ``high``, each bound open or closed;

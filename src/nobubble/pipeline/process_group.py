@@ -32,6 +32,7 @@ from torch.distributed import distributed_c10d
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.device import resolve_device
+from nobubble.layout import first_process
 from nobubble.pipeline.emulated_nccl import EmulatedNccl
 from nobubble.pipeline.transport import Transport, active, install
 
@@ -146,10 +147,11 @@ def exit_code(code: int) -> int:
     the run writes is closed by then, and standard output and error are flushed here.
     """
     if _OUTLIVED:
-        print(
-            f"nobubble: note: {_OUTLIVED[0]}; exiting without interpreter teardown",
-            file=sys.stderr,
-        )
+        if first_process():  # one line a launch, not one per rank
+            print(
+                f"nobubble: note: {_OUTLIVED[0]}; exiting without interpreter teardown",
+                file=sys.stderr,
+            )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

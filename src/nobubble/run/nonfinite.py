@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import warnings
 
+from nobubble.config import NobubbleWarning
 from nobubble.engine import StepStats
 from nobubble.run.errors import NonFiniteError
 
@@ -25,7 +26,7 @@ class NonFinitePolicy:
         warnings.warn(
             f"step {stats.step + 1}: non-finite loss or gradient (loss {stats.loss}); stages "
             f"{stats.skipped_stages} skipped their update",
-            RuntimeWarning,
+            NobubbleWarning,
             stacklevel=2,
         )
         if self.bad_in_a_row < self.patience:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -210,4 +211,6 @@ class TorchrunLauncher:
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType
     ) -> None:
         self.replicas = None  # what holds a process group keeps its backend alive past close
+        if tb is not None:  # so do the locals of a run that a stop or an error ended
+            traceback.clear_frames(tb)
         close_process_group()
