@@ -39,7 +39,8 @@
 # judged against the GPU's own run-to-run noise (the repeated reference).
 #
 # Exit status: 0 when every step that ran passed and every row of the table did, 1 otherwise
-# (each step's log is in the folder).
+# (each step's log is in the folder); 128 + the signal's number when stopped by SIGTERM or Ctrl-C,
+# which reach the step in flight and its every process (scripts/gpu_check_steps.sh).
 # Status: written without a GPU machine; never executed yet (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,43 +54,11 @@ OUT=$(cd "$OUT" && pwd)
 SUMMARY="$OUT/summary.md"
 FAILED=0
 
-log() { printf '[gpu_check %4ds] %s\n' $((SECONDS - START)) "$*" | tee -a "$OUT/gpu_check.log" >&2; }
-die() {
-    log "error: $*"
-    exit 1
-}
-left() { echo $((BUDGET_S - (SECONDS - START))); }
+# shellcheck source=scripts/gpu_check_steps.sh
+. scripts/gpu_check_steps.sh # log, die, left, step; the stop
 
 log "results go to $OUT"
 printf '# GPU check, %s\n\n| step | result | seconds |\n|---|---|---:|\n' "$(date -u +%FT%TZ)" >"$SUMMARY"
-
-# step NAME COMMAND...: run COMMAND with what is left of the budget as its timeout, its output in
-# $OUT/NAME.log; record pass / FAIL / skipped in the summary; never stop the script.
-step() {
-    local name=$1
-    shift
-    local budget
-    budget=$(left)
-    if ((budget < 60)); then
-        log "$name: skipped, ${budget}s of the budget left"
-        echo "| $name | skipped (out of time) | 0 |" >>"$SUMMARY"
-        return 0
-    fi
-    log "$name: $* (timeout ${budget}s)"
-    local began=$SECONDS rc=0
-    timeout --kill-after=10 "$budget" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
-    local took=$((SECONDS - began)) result
-    case $rc in
-    0) result=pass ;;
-    5) result="FAIL: the test selection matched nothing (case lists changed? update this script)" ;;
-    124 | 137) result="FAIL: timed out after ${took}s" ;;
-    *) result="FAIL: exit status $rc" ;;
-    esac
-    [ "$rc" -eq 0 ] || FAILED=1
-    log "$name: $result (${took}s; log $OUT/$name.log)"
-    [ "$rc" -eq 0 ] || tail -n 15 "$OUT/$name.log" >&2
-    echo "| $name | $result | $took |" >>"$SUMMARY"
-}
 
 # -- the environment -----------------------------------------------------------------------------
 log "bootstrapping $VENV (scripts/bootstrap.sh)"

@@ -119,7 +119,6 @@ def warn_unused_settings(cfg: TrainConfig, chosen: set[str], torchrun: bool) -> 
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from nobubble.interrupt import Interrupted
     from nobubble.resume import RunFinished, resumed_config
     from nobubble.run.torchrun import launched_by_torchrun
     from nobubble.run.train import train
@@ -137,10 +136,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if first_process():  # one line, not one per pipeline stage
             print(f"nobubble: {finished}")
         return 0
-    except Interrupted as stop:
-        if first_process():  # every rank stops after the same step: one line says so
-            print(f"nobubble: {stop}", file=sys.stderr)
-        return 128 + stop.signum
     return 0
 
 
@@ -215,11 +210,17 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from nobubble.interrupt import Interrupted
+
     try:
         return args.func(args)
     except user_errors() as exc:
         print(f"nobubble: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as stop:  # a run, or a command's children, stopped by a signal
+        if first_process():  # every rank stops after the same step: one line says so
+            print(f"nobubble: {stop}", file=sys.stderr)
+        return 128 + stop.signum
     except KeyboardInterrupt:
         print("nobubble: interrupted", file=sys.stderr)
         return 130

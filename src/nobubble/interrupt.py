@@ -19,7 +19,8 @@ from collections.abc import Iterator
 
 
 class Interrupted(Exception):
-    """Training stopped early on a signal, after saving a checkpoint."""
+    """Stopped early on a signal: training, after saving a checkpoint, or a command, after its
+    children (:mod:`nobubble.children`); the process exits 128 + ``signum``."""
 
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)

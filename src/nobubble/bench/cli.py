@@ -46,6 +46,7 @@ from nobubble.bench.variants import (
     with_zero,
     zero_levels,
 )
+from nobubble.children import stopping
 from nobubble.config import ConfigError, Range, parse_overrides
 from nobubble.config.fields import NON_NEGATIVE
 from nobubble.config.flags import OneLineParser, whole
@@ -294,12 +295,16 @@ def run(args: argparse.Namespace) -> int:
             check_output_file(args.json, "--json")
         if args.runs_dir:
             make_output_folder(args.runs_dir, "--runs-dir")
-        with tempfile.TemporaryDirectory(prefix="nobubble-bench-") as scratch:
+        # the runs in flight are stopped before their scratch folder goes
+        with (
+            tempfile.TemporaryDirectory(prefix="nobubble-bench-") as scratch,
+            stopping("bench", "no figures written (run it again)") as children,
+        ):
             runs_dir = Path(args.runs_dir or scratch)
-            results, log = run_timed(args, variants, common, runs_dir)
+            results, log = run_timed(args, variants, common, runs_dir, children)
             memory = None
             if args.memory_pass and args.device == "cpu":
-                memory = run_memory_pass(args, variants, common, runs_dir)
+                memory = run_memory_pass(args, variants, common, runs_dir, children)
     except (ConfigError, BenchError) as exc:
         print(f"nobubble bench: error: {exc}", file=sys.stderr)
         return 2

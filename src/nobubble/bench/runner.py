@@ -6,6 +6,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from nobubble.bench.load import ForeignLoad
 from nobubble.bench.measure import RunResult, read_run
 from nobubble.bench.report import Results
 from nobubble.bench.variants import VARIANTS, Shape, Variant, command, twin
+from nobubble.children import Children
 
 BUSY_CORES = 0.1  # CPU use of other processes above which a timed run counts as disturbed
 # glibc gives every allocation of 64 KiB or more its own mapping and unmaps it when freed, so
@@ -38,36 +40,51 @@ def _failure_lines(output: str) -> str:
 
 
 def launch(
-    variant: Variant, processes: int, out: Path, settings: list[str], env: dict[str, str]
+    children: Children,
+    variant: Variant,
+    processes: int,
+    out: Path,
+    settings: list[str],
+    env: dict[str, str],
 ) -> int:
     """Run one variant to the end; return its exit code.
 
     A run whose summary exists trained to the end, so its figures stand even if a process then
-    crashed while shutting down: that only gets a warning.
+    crashed while shutting down: that only gets a warning. Its output goes to a file, not a
+    pipe: a run stopped with the benchmark must not block on output nobody reads any more.
     """
     cmd = command(variant, processes, out, settings)
-    done = subprocess.run(cmd, env=child_env(env), capture_output=True, text=True)
-    if done.returncode != 0 and not (out / "summary.json").exists():
+    with tempfile.TemporaryFile("w+") as output:
+        process = children.start(cmd, env=child_env(env), stdout=output, stderr=subprocess.STDOUT)
+        code = children.wait(process)
+        output.seek(0)
+        text = output.read()
+    if code != 0 and not (out / "summary.json").exists():
         raise BenchError(
-            f"{variant.name} failed with exit code {done.returncode}:\n{' '.join(cmd)}\n"
-            + _failure_lines(done.stdout + done.stderr)
+            f"{variant.name} failed with exit code {code}:\n{' '.join(cmd)}\n"
+            + _failure_lines(text)
         )
-    if done.returncode != 0:
+    if code != 0:
         print(
-            f"warning: {variant.name} exited with code {done.returncode} after writing its "
-            f"summary; its figures are kept:\n{_failure_lines(done.stdout + done.stderr)}",
+            f"warning: {variant.name} exited with code {code} after writing its "
+            f"summary; its figures are kept:\n{_failure_lines(text)}",
             file=sys.stderr,
         )
-    return done.returncode
+    return code
 
 
 def timed_run(
-    variant: Variant, processes: int, out: Path, settings: list[str], retries: int
+    children: Children,
+    variant: Variant,
+    processes: int,
+    out: Path,
+    settings: list[str],
+    retries: int,
 ) -> dict[str, Any]:
     """Run ``variant``, again (up to ``retries`` times) while other processes took CPU time."""
     for attempt in range(retries + 1):
         with ForeignLoad() as load:
-            code = launch(variant, processes, out, settings, {})
+            code = launch(children, variant, processes, out, settings, {})
         if load.cores is None or load.cores <= BUSY_CORES or attempt == retries:
             break
         print(
@@ -93,7 +110,11 @@ def _folder(variant: Variant) -> str:
 
 
 def run_timed(
-    args: argparse.Namespace, variants: list[Variant], common: list[str], runs_dir: Path
+    args: argparse.Namespace,
+    variants: list[Variant],
+    common: list[str],
+    runs_dir: Path,
+    children: Children,
 ) -> tuple[Results, list[dict]]:
     """Every variant ``args.repeats`` times, interleaved (A B C, C B A, ...) so that drift
     hits all of them alike; the log says how disturbed each run was."""
@@ -105,7 +126,7 @@ def run_timed(
         for variant in variants if repeat % 2 == 0 else variants[::-1]:
             out = runs_dir / f"{repeat}-{_folder(variant)}"
             settings = [*common, *shape.settings(variant)]
-            info = timed_run(variant, shape.processes, out, settings, args.busy_retries)
+            info = timed_run(children, variant, shape.processes, out, settings, args.busy_retries)
             result: RunResult = read_run(out, skip_tokens)
             results[variant.name].append(result)
             log.append({"repeat": repeat, "variant": variant.name, "out": out, **info})
@@ -135,14 +156,19 @@ def _predict_baselines(results: Results, log: list[dict], skip_tokens: int) -> N
 
 
 def run_memory_pass(
-    args: argparse.Namespace, variants: list[Variant], common: list[str], runs_dir: Path
+    args: argparse.Namespace,
+    variants: list[Variant],
+    common: list[str],
+    runs_dir: Path,
+    children: Children,
 ) -> Results:
     """Every variant once more for a few steps under :data:`MEMORY_ENV` (CPU only)."""
     shape = bench_shape(args, steps=min(args.steps, MEMORY_STEPS))
     results: Results = {}
     for variant in variants:
         out = runs_dir / f"memory-{_folder(variant)}"
-        launch(variant, shape.processes, out, [*common, *shape.settings(variant)], MEMORY_ENV)
+        settings = [*common, *shape.settings(variant)]
+        launch(children, variant, shape.processes, out, settings, MEMORY_ENV)
         results[variant.name] = [read_run(out, skip_tokens=0)]
         peaks = " / ".join(f"{s.peak_mem_mb:.0f}" for s in results[variant.name][0].stages)
         print(f"[memory] {variant.name:12s} peak {peaks} MB", file=sys.stderr)

@@ -11,9 +11,7 @@ checkpoints that could be restored), and trained again.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from typing import IO
 import tomli_w
 
 from nobubble.checkpoint.files import checkpoint_folders, checkpoint_step
+from nobubble.children import Children, stopping
 from nobubble.files import DamagedFile
 from nobubble.folder_lock import FolderBusy, hold_folder
 from nobubble.reporting.runs import final_loss
@@ -34,7 +33,6 @@ from nobubble.runfolder import FINISHED, holds_files, stop_of
 from nobubble.sweeping.planned import PlannedRun
 
 POLL_S = 0.2
-STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -123,19 +121,15 @@ def make_room(run: PlannedRun, logs: Path) -> str | None:
     )
 
 
-def _start(run: PlannedRun, logs: Path) -> _Running:
+def _start(run: PlannedRun, logs: Path, children: Children) -> _Running:
     logs.mkdir(parents=True, exist_ok=True)
     config_file = logs / f"{run.name}.toml"
     write_config_file(run, config_file)
     log_path = logs / f"{run.name}.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed when the process ends
     env = {**os.environ, "OMP_NUM_THREADS": str(run.config.threads), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        command(run, config_file),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,  # its own process group: torchrun's workers stop with it
+    process = children.start(
+        command(run, config_file), stdout=log, stderr=subprocess.STDOUT, env=env
     )
     return _Running(run, process, log_path, log, time.perf_counter())
 
@@ -166,24 +160,6 @@ def _cannot_move(run: PlannedRun, exc: OSError) -> str:
     )
 
 
-def _stop(jobs: Sequence[_Running]) -> None:
-    for job in jobs:
-        _signal(job, signal.SIGTERM)
-    deadline = time.perf_counter() + STOP_GRACE_S
-    for job in jobs:
-        try:
-            job.process.wait(timeout=max(0.0, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            _signal(job, signal.SIGKILL)
-            job.process.wait()
-        job.log.close()
-
-
-def _signal(job: _Running, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(job.process.pid, sig)
-
-
 def run_all(
     runs: Sequence[PlannedRun],
     slots: int,
@@ -191,7 +167,8 @@ def run_all(
     say: Callable[[str], None],
 ) -> list[Outcome]:
     """Run in order, as many at a time as fit in ``slots`` processes (a pipeline run takes one
-    slot per stage, at most all of them); on Ctrl-C stop every running process and re-raise."""
+    slot per stage, at most all of them). SIGTERM or Ctrl-C stops the runs in flight (each saves
+    a checkpoint, which the next sweep continues from) and raises :class:`Interrupted`."""
     queue = deque(runs)
     running: list[_Running] = []
     outcomes: list[Outcome] = []
@@ -200,35 +177,36 @@ def run_all(
     def slots_of(run: PlannedRun) -> int:
         return min(run.processes, slots)
 
-    try:
-        while queue or running:
-            while queue and sum(slots_of(j.run) for j in running) + slots_of(queue[0]) <= slots:
-                run = queue.popleft()
-                index = len(runs) - len(queue)
-                try:
-                    note = make_room(run, logs_dir(run))
-                except (OSError, FolderBusy) as exc:
-                    why = str(exc) if isinstance(exc, FolderBusy) else _cannot_move(run, exc)
-                    outcome = Outcome(run, False, 0.0, why)
+    with stopping("sweep", "resume with the same command") as children:
+        try:
+            while queue or running:
+                while queue and sum(slots_of(j.run) for j in running) + slots_of(queue[0]) <= slots:
+                    run = queue.popleft()
+                    index = len(runs) - len(queue)
+                    try:
+                        note = make_room(run, logs_dir(run))
+                    except (OSError, FolderBusy) as exc:
+                        why = str(exc) if isinstance(exc, FolderBusy) else _cannot_move(run, exc)
+                        outcome = Outcome(run, False, 0.0, why)
+                        outcomes.append(outcome)
+                        say(f"FAILED {run.label}: {outcome.detail}")
+                        continue
+                    if note:
+                        say(note)
+                    running.append(_start(run, logs_dir(run), children))
+                    say(f"[{index:>{width}}/{len(runs)}] start {run.label}")
+                for job in list(running):
+                    code = children.poll(job.process)
+                    if code is None:
+                        continue
+                    running.remove(job)
+                    outcome = _finish(job, code)
                     outcomes.append(outcome)
-                    say(f"FAILED {run.label}: {outcome.detail}")
-                    continue
-                if note:
-                    say(note)
-                running.append(_start(run, logs_dir(run)))
-                say(f"[{index:>{width}}/{len(runs)}] start {run.label}")
-            for job in list(running):
-                code = job.process.poll()
-                if code is None:
-                    continue
-                running.remove(job)
-                outcome = _finish(job, code)
-                outcomes.append(outcome)
-                state = "done  " if outcome.ok else "FAILED"
-                say(f"{state} {job.run.label} ({outcome.seconds:.0f} s): {outcome.detail}")
-            if running:
-                time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        _stop(running)
-        raise
+                    state = "done  " if outcome.ok else "FAILED"
+                    say(f"{state} {job.run.label} ({outcome.seconds:.0f} s): {outcome.detail}")
+                if running:
+                    time.sleep(POLL_S)
+        finally:
+            for job in running:  # stopped (a signal) or failed with the sweep: their logs
+                job.log.close()
     return outcomes
