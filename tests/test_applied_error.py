@@ -14,7 +14,13 @@ from nobubble.config import ConfigError
 from nobubble.configure import build_config
 from nobubble.corrections.registry import REGISTRY
 from nobubble.optim.registry import OPTIMIZERS
-from nobubble.staleness import APPLIED_COSINE, APPLIED_ERROR, applied_error
+from nobubble.staleness import (
+    APPLIED_COSINE,
+    APPLIED_ERROR,
+    SYNC_STEP_COSINE,
+    SYNC_STEP_ERROR,
+    applied_error,
+)
 from nobubble.tracking import scalars_of
 from nobubble.unused import UnusedSettingWarning
 from nobubble.update import TrainedStage
@@ -64,7 +70,20 @@ def test_error_feedback_acts_on_both_updates_by_hand():
         error, cosine = _by_hand(applied, fresh)
         assert stats.measured[APPLIED_ERROR] == [pytest.approx(error, rel=1e-12, abs=1e-15)]
         assert stats.measured[APPLIED_COSINE] == [pytest.approx(cosine, rel=1e-12)]
+        # against the synchronous step: SGD alone on the fresh gradient, Δs = u_fresh
+        error, cosine = _by_hand(applied, would)
+        assert stats.measured[SYNC_STEP_ERROR] == [pytest.approx(error, rel=1e-12, abs=1e-15)]
+        assert stats.measured[SYNC_STEP_COSINE] == [pytest.approx(cosine, rel=1e-12)]
     assert trainer.stages[0].params["w0"].tolist() == pytest.approx(w[-1], rel=1e-15)
+
+
+def test_without_an_update_correction_the_synchronous_step_is_the_fresh_one():
+    """No wrapper: Δs = Δf, so both pairs of measures agree exactly."""
+    trainer = quadratic_trainer([1], applied_error_every=1)
+    for _ in range(3):
+        measured = trainer.train_step([torch.zeros(1)]).measured
+        assert measured[SYNC_STEP_ERROR] == measured[APPLIED_ERROR]
+        assert measured[SYNC_STEP_COSINE] == measured[APPLIED_COSINE]
 
 
 def test_the_measures_by_hand():

@@ -18,7 +18,14 @@ from nobubble.reporting.plots import final_limits, plot_curves
 from nobubble.reporting.runs import EvalPoint, ReportError, discover
 from nobubble.reporting.table import settings_label
 from nobubble.reporting.target import target_rows, time_to_reach
-from nobubble.staleness import APPLIED_COSINE, APPLIED_ERROR, COSINE, DRIFT
+from nobubble.staleness import (
+    APPLIED_COSINE,
+    APPLIED_ERROR,
+    COSINE,
+    DRIFT,
+    SYNC_STEP_COSINE,
+    SYNC_STEP_ERROR,
+)
 from tests.pipeline_helpers import SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -462,7 +469,7 @@ def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
         if line.startswith("| adamw")
     }
     assert "sync" not in rows  # nothing drifts without a delay
-    assert rows["2bw"][4:10] == ["0.0200", "0.0100", "0.9000", "—", "—", "+0.4000"]
+    assert rows["2bw"][4:12] == ["0.0200", "0.0100", "0.9000", "—", "—", "—", "—", "+0.4000"]
     assert rows["pipedream"][4:6] == ["0.0400", "0.0400"]
     assert rows["2bw+predict"][6] == "0.7000"
     # drift 0.01, 0.02, 0.02, 0.04 against gaps 0.2, 0.3, 0.4, 0.6: ranks 1, 2.5, 2.5, 4
@@ -484,16 +491,23 @@ def test_the_applied_step_error_beside_the_gap_and_its_rank_correlation(tmp_path
         with (run / "metrics.jsonl").open("a") as metrics:  # as applied_error_every writes them
             for step, (errors, cosines) in enumerate(measured, 1):
                 line = {"step": step, APPLIED_ERROR: errors, APPLIED_COSINE: cosines}
+                # against the synchronous step: half the error, for every run
+                line |= {SYNC_STEP_ERROR: [e / 2 for e in errors], SYNC_STEP_COSINE: cosines}
                 metrics.write(json.dumps(line) + "\n")
     assert call(str(tmp_path), "--out", str(tmp_path / "out")) == 0
     staleness = (tmp_path / "out" / "report.md").read_text().split("## Staleness")[1]
     header = next(line for line in staleness.splitlines() if line.startswith("| optim"))
-    assert "| applied-step error | applied-step cosine | gap vs sync |" in header
-    rows = {
-        line.split("|")[2].strip(): [c.strip() for c in line.split("|")[1:-1]][-3:]
+    assert (
+        "| applied-step error | applied-step cosine | sync-step error | sync-step cosine "
+        "| gap vs sync |" in header
+    )
+    cells = {
+        line.split("|")[2].strip(): [c.strip() for c in line.split("|")[1:-1]]
         for line in staleness.splitlines()
         if line.startswith("| adamw")
     }
+    rows = {setup: c[-5:-3] + c[-1:] for setup, c in cells.items()}
+    assert cells["2bw+EF"][-3:-1] == ["0.1000", "0.9500"]  # the sync-step columns
     assert rows == {
         "sync": ["0.0000", "1.0000", "baseline"],
         "2bw": ["0.3000", "0.8750", "+0.4000"],  # error (0.4 + 0.2) / 2, cosine (0.85 + 0.9) / 2

@@ -32,6 +32,7 @@ from torch.func import functional_call
 
 from nobubble.checkpoint.named_state import NamedState
 from nobubble.config import TrainConfig
+from nobubble.corrections.base import base_optimizer
 from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
@@ -46,6 +47,8 @@ from nobubble.staleness import (
     APPLIED_COSINE,
     APPLIED_ERROR,
     COSINE,
+    SYNC_STEP_COSINE,
+    SYNC_STEP_ERROR,
     applied_error,
     cosine,
     weight_drift,
@@ -178,6 +181,7 @@ class DelayedTrainer:
             self._sum_tied_gradients()
         if fresh is not None:
             would = self._fresh_updates(t, fresh)
+            sync = self._fresh_updates(t, fresh, corrected=False) if self._wraps() else would
             before = [_trained_copy(stage.params) for stage in self.stages]
         norms, skipped, lr = [], [], 0.0
         for stage in self.stages:
@@ -186,25 +190,38 @@ class DelayedTrainer:
             if not ok:
                 skipped.append(stage.index)
         if fresh is not None:
-            errors = [
-                applied_error({n: stage.params[n].detach() - w for n, w in old.items()}, new)
-                for stage, old, new in zip(self.stages, before, would, strict=True)
+            applied = [
+                {n: stage.params[n].detach() - w for n, w in old.items()}
+                for stage, old in zip(self.stages, before, strict=True)
             ]
-            measured[APPLIED_ERROR] = [error for error, _ in errors]
-            measured[APPLIED_COSINE] = [cos for _, cos in errors]
+            for (error_key, cosine_key), references in (
+                ((APPLIED_ERROR, APPLIED_COSINE), would),
+                ((SYNC_STEP_ERROR, SYNC_STEP_COSINE), sync),
+            ):
+                errors = [applied_error(a, r) for a, r in zip(applied, references, strict=True)]
+                measured[error_key] = [error for error, _ in errors]
+                measured[cosine_key] = [cos for _, cos in errors]
         self.step += 1
         return StepStats(t, loss, combined_norm(norms), lr, skipped, routing, measured)
 
-    def _fresh_updates(self, t: int, fresh: list[Gradients]) -> list[Weights]:
-        """Each stage's update at step ``t`` from its ``fresh`` gradient
-        (:meth:`~nobubble.update.TrainedStage.update_from`), a tied weight's summed as
+    def _wraps(self) -> bool:
+        """Whether the stages' optimizers are wrapped in an update correction."""
+        return any(base_optimizer(s.optimizer) is not s.optimizer for s in self.stages)
+
+    def _fresh_updates(
+        self, t: int, fresh: list[Gradients], corrected: bool = True
+    ) -> list[Weights]:
+        """Each stage's update at step ``t`` from its ``fresh`` gradient, with its correction or
+        without (:meth:`~nobubble.update.TrainedStage.update_from`), a tied weight's summed as
         :meth:`_sum_tied_gradients` sums it."""
         if self.tied:
             name = self.tied[0]
             like = self.stages[0].params[name]
             summed = _tied_sum(like, fresh[0][name], fresh[-1][name])
             fresh = [{**fresh[0], name: summed}, *fresh[1:-1], {**fresh[-1], name: summed}]
-        return [stage.update_from(g, t) for stage, g in zip(self.stages, fresh, strict=True)]
+        return [
+            stage.update_from(g, t, corrected) for stage, g in zip(self.stages, fresh, strict=True)
+        ]
 
     def _uses(self, stage: int, weights: Weights) -> Weights:
         """``weights`` of ``stage`` under the keys ``micro_loss`` reads them by."""

@@ -20,6 +20,12 @@ update it applies is from the one the fresh gradient would give.
   (``applied_cosine``), over the stage's trained parameters. Under a synchronous schedule Δa = Δf
   up to the order of summation; without a correction the difference is the stale gradient
   alone, through the optimizer's state; a correction acts on both.
+- **Synchronous-step error** (measured with the applied-step error): Δa against Δs, the update
+  the base optimizer alone (without the update correction that wraps it) would have applied at
+  step t from the fresh gradient and the same optimizer state: the step a synchronous run takes
+  from there. ‖Δa - Δs‖ / ‖Δs‖ (``sync_step_error``) and cos(Δa, Δs) (``sync_step_cosine``):
+  what a correction is for, bringing a delayed update nearer to the synchronous one. Without an
+  update correction Δs = Δf.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ DRIFT = "weight_drift"
 COSINE = "grad_cosine"
 APPLIED_ERROR = "applied_error"
 APPLIED_COSINE = "applied_cosine"
+SYNC_STEP_ERROR = "sync_step_error"
+SYNC_STEP_COSINE = "sync_step_cosine"
 # metrics.jsonl keys of the measures taken every N steps (staleness_every, applied_error_every)
-STEP_MEASURES = (COSINE, APPLIED_ERROR, APPLIED_COSINE)
+STEP_MEASURES = (COSINE, APPLIED_ERROR, APPLIED_COSINE, SYNC_STEP_ERROR, SYNC_STEP_COSINE)
 PER_STAGE = (
     DRIFT,
     *STEP_MEASURES,

@@ -39,6 +39,7 @@ import torch
 from nobubble.checkpoint.files import CheckpointError
 from nobubble.checkpoint.named_state import NamedState, load_named_state, named_state
 from nobubble.config import TrainConfig
+from nobubble.corrections.base import base_optimizer
 from nobubble.corrections.predict import StepWeights
 from nobubble.corrections.registry import predicts, wrap_optimizer
 from nobubble.model.moe import Routing, balance_routers
@@ -150,21 +151,28 @@ class TrainedStage:
         lr = optimizer_step(self.optimizer, step, self.cfg)
         return norm, ok, lr
 
-    def update_from(self, grads: Weights, step: int) -> Weights:
+    def update_from(self, grads: Weights, step: int, corrected: bool = True) -> Weights:
         """The update w[t+1] - w[t] of the trained parameters that :meth:`apply` would make at
         ``step`` (= t) from ``grads`` (by parameter name; complete, as a tied weight's summed
         with its copy's) in place of the stage's own gradient: clipped by the same rule and
         stepped by a second optimizer and correction loaded with a copy of the stage's state (as a
         checkpoint holds it) at the step's learning rate, on copies of the newest weights, so
-        that nothing of the stage changes. Call it before :meth:`apply` (it reads the state step
-        t starts from); the whole stage (no ``shard``)."""
+        that nothing of the stage changes. ``corrected=False``: by the base optimizer alone,
+        without the update correction that wraps it (the step a synchronous run takes from the
+        same optimizer state). Call it before :meth:`apply` (it reads the state step t starts
+        from); the whole stage (no ``shard``)."""
         copies = {
             name: torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
             for name, p in self.params.items()
         }
-        optimizer = build_stage_optimizer(list(copies.items()), self.cfg, self.delay)
+        if corrected:
+            optimizer = build_stage_optimizer(list(copies.items()), self.cfg, self.delay)
+            state = self.optimizer.state_dict()
+        else:
+            optimizer = build_optimizer(list(copies.items()), self.cfg)
+            state = base_optimizer(self.optimizer).state_dict()
         # a copy: torch's optimizers keep the tensors they load
-        optimizer.load_state_dict(deepcopy(self.optimizer.state_dict()))
+        optimizer.load_state_dict(deepcopy(state))
         for name, grad in grads.items():
             copies[name].grad = None if grad is None else grad.clone()
         clip_gradients(copies, self.cfg.grad_clip, self.tied, self.reports_tied)

@@ -80,3 +80,9 @@ class UpdateCorrection:
             params[i]: buffer.to(device=params[i].device, dtype=params[i].dtype, copy=True)
             for i, buffer in state_dict[self.buffer_key].items()
         }
+
+
+def base_optimizer(optimizer: OptimizerLike) -> OptimizerLike:
+    """The optimizer an update correction wraps (``optimizer`` itself when it wraps none): the
+    step a synchronous run would take from the same state."""
+    return optimizer.base if isinstance(optimizer, UpdateCorrection) else optimizer

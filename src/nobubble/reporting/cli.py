@@ -87,8 +87,11 @@ update, *end*: at its last; mean ± std over the seeds that recorded it. *gradie
 between the delayed gradient and the fresh one on the same batch, every `staleness_every` steps; \
 *applied-step error* and *cosine*: ‖Δa − Δf‖ / ‖Δf‖ and cos(Δa, Δf) of the update a step \
 applied, Δa = w[t+1] − w[t], and the one the same optimizer and correction state would have \
-applied from the fresh gradient, Δf, every `applied_error_every` steps (zero under sync); each \
-in the one-process engine, averaged over the model stages and a run's measurements \
+applied from the fresh gradient, Δf, every `applied_error_every` steps (zero under sync); \
+*sync-step error* and *cosine*: Δa against Δs, the update the base optimizer alone (no update \
+correction) would have applied from the fresh gradient and the same state, the synchronous \
+step (equal to the applied-step columns without a correction); each in the one-process \
+engine, averaged over the model stages and a run's measurements \
 (docs/corrections.md, "Staleness you can see")."""
 
 REFERENCES_NOTE = """Each delayed group whose settings differ from the reference values beside \

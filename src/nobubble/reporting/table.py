@@ -21,7 +21,14 @@ from nobubble.reporting.groups import (
     varied_keys,
 )
 from nobubble.reporting.target import ReverseRow, TargetRow
-from nobubble.staleness import APPLIED_COSINE, APPLIED_ERROR, COSINE, STEP_MEASURES
+from nobubble.staleness import (
+    APPLIED_COSINE,
+    APPLIED_ERROR,
+    COSINE,
+    STEP_MEASURES,
+    SYNC_STEP_COSINE,
+    SYNC_STEP_ERROR,
+)
 
 # shown in their own columns ("setup" names the schedule and the corrections), not under "settings"
 COLUMN_KEYS = ("optim", "schedule", "correction", "ef")
@@ -281,6 +288,8 @@ def staleness_table(rows: Sequence[Comparison]) -> str | None:
         "gradient cosine",
         "applied-step error",
         "applied-step cosine",
+        "sync-step error",
+        "sync-step cosine",
         "gap vs sync",
     ]
     body = [
@@ -302,6 +311,8 @@ STALENESS_MEASURES: dict[str, Callable[[Group], Stat | None]] = {
     "gradient cosine": lambda group: group.measured(COSINE),
     "applied-step error": lambda group: group.measured(APPLIED_ERROR),
     "applied-step cosine": lambda group: group.measured(APPLIED_COSINE),
+    "sync-step error": lambda group: group.measured(SYNC_STEP_ERROR),
+    "sync-step cosine": lambda group: group.measured(SYNC_STEP_COSINE),
 }
 
 
