@@ -147,7 +147,10 @@ def fit_law(
     xy = [(p.params, p.tokens) for p in used]
     solved = _solve(xy, [p.mean for p in used], axes) if axes else None
     if solved is None:
-        why = f"{len(used)} point(s) with a positive mean, none varying in size or tokens"
+        why = (
+            f"{optim} {setup} {quantity}: {len(used)} point(s) with a positive mean, none "
+            "varying in size or tokens"
+        )
         return Fit(None, used, dropped, confounded, None, 0, why)
     (coef, p_exp, t_exp), residuals = solved
     dof = len(used) - (1 + len(axes))
