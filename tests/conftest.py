@@ -1,11 +1,10 @@
 import dataclasses
-import subprocess
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from nobubble.faults.inject import stop_writes
 from nobubble.model.presets import PRESETS, ModelConfig
 
 
@@ -27,37 +26,20 @@ def tiny_mc() -> ModelConfig:
 @pytest.fixture
 def lock_writes() -> Iterator[Callable[[Path], Path]]:
     """``lock_writes(folder)``: the folder takes no new files until the test ends, as on a
-    read-only file system.
-
-    Simulated by removing its write permission; as root, who writes there anyway, by making it
-    immutable (``chattr +i``, which stops root too). Skipped where neither stops a write.
-    """
-    undo: list[Callable[[], object]] = []
-
-    def takes_files(folder: Path) -> bool:
-        try:
-            with tempfile.TemporaryFile(dir=folder):
-                return True
-        except OSError:
-            return False
+    read-only file system (:func:`nobubble.faults.inject.stop_writes`: its write permission
+    removed, or as root ``chattr +i``). Skipped where neither stops a write."""
+    undo: list[Callable[[], None]] = []
 
     def lock(folder: Path) -> Path:
-        mode = folder.stat().st_mode
-        folder.chmod(0o500)
-        undo.append(lambda: folder.chmod(mode))
-        if takes_files(folder):
-            try:
-                subprocess.run(["chattr", "+i", folder], check=True, capture_output=True)
-            except (OSError, subprocess.CalledProcessError):
-                pytest.skip("no way to stop writes here (root, and no chattr +i)")
-            undo.append(lambda: subprocess.run(["chattr", "-i", folder], check=True))
-        if takes_files(folder):
-            pytest.skip("no way to stop writes here")
+        release = stop_writes(folder)
+        if release is None:
+            pytest.skip("no way to stop writes here (root, and no chattr +i)")
+        undo.append(release)
         return folder
 
     yield lock
-    for step in reversed(undo):
-        step()
+    for release in reversed(undo):
+        release()
 
 
 @pytest.fixture

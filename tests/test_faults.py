@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from nobubble.faults.inject import workers
 from tests.pipeline_helpers import SMALL, assert_same_run, env, nobubble, train_command
 
 pytestmark = pytest.mark.slow
@@ -66,26 +67,6 @@ def steps_logged(run: Path) -> int:
     return max((r["step"] for r in lines if "train_loss" in r), default=0)
 
 
-def workers_of(launcher_pid: int) -> dict[int, int]:
-    """rank -> pid of the torchrun workers below ``launcher_pid``."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            stat = (proc / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != launcher_pid:
-            continue
-        for item in environ:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = int(proc.name)
-    return found
-
-
 @pytest.mark.parametrize(
     ("stages", "target"), [(0, "process"), (2, "torchrun"), (2, "last stage only")]
 )
@@ -95,7 +76,7 @@ def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages, 
     settings = [*LONG, *(PIPE if stages else ["schedule=2bw", "ef=true", "microbatches=2"])]
     proc = launch(tmp_path / "cut", *settings, stages=stages)
     wait_until(lambda: steps_logged(tmp_path / "cut") >= 25)
-    os.kill(workers_of(proc.pid)[1] if target == "last stage only" else proc.pid, signal.SIGTERM)
+    os.kill(workers(proc.pid)[1] if target == "last stage only" else proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0, output
     launcher = "torchrun --nproc-per-node 2 -m nobubble" if stages else "nobubble"
@@ -119,9 +100,9 @@ def test_a_killed_stage_restarts_and_finishes_with_the_same_weights(tmp_path):
     settings = [*LONG, *PIPE]
     proc = launch(tmp_path / "cut", *settings, stages=2, torchrun_args=("--max-restarts=1",))
     wait_until(lambda: any((tmp_path / "cut" / "checkpoints").glob("step_*/manifest.json")))
-    workers = workers_of(proc.pid)
-    assert set(workers) == {0, 1}, workers
-    os.kill(workers[1], signal.SIGKILL)
+    ranks = workers(proc.pid)
+    assert set(ranks) == {0, 1}, ranks
+    os.kill(ranks[1], signal.SIGKILL)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     assert "resuming step_" in output
@@ -273,9 +254,9 @@ def test_a_stage_that_stops_answering_shows_where_the_leader_was_in_the_schedule
     it the schedule around the action it was at, that action marked."""
     proc = launch(tmp_path / "r", *LONG, *PIPE, "p2p_timeout_s=20", stages=2)
     wait_until(lambda: steps_logged(tmp_path / "r") >= 5)
-    stuck = workers_of(proc.pid)[1]
+    stuck = workers(proc.pid)[1]
     os.kill(stuck, signal.SIGSTOP)
-    wait_until(lambda: 0 not in workers_of(proc.pid))  # the leader gave up and exited
+    wait_until(lambda: 0 not in workers(proc.pid))  # the leader gave up and exited
     os.kill(stuck, signal.SIGKILL)  # else torchrun waits for it to take its SIGTERM
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
