@@ -24,6 +24,7 @@ import pytest
 
 from nobubble.config import ConfigError
 from nobubble.configure import build_config
+from nobubble.faults.inject import workers
 from tests.pipeline_helpers import (
     EXTENDED,
     assert_same_run,
@@ -38,7 +39,6 @@ from tests.test_faults import (  # reap_process_groups: an autouse fixture, acti
     reap_process_groups,  # noqa: F401
     steps_logged,
     wait_until,
-    workers_of,
 )
 
 pytestmark = pytest.mark.slow
@@ -120,7 +120,7 @@ def test_a_signal_to_one_rank_of_another_replica_stops_every_rank_and_resume_is_
     settings += ["microbatches=2"]
     proc = launch(tmp_path / "cut", *settings, stages=4)
     wait_until(lambda: steps_logged(tmp_path / "cut") >= 25)
-    os.kill(workers_of(proc.pid)[3], signal.SIGTERM)
+    os.kill(workers(proc.pid)[3], signal.SIGTERM)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0, output
     assert f"torchrun --nproc-per-node 4 -m nobubble train --resume {tmp_path / 'cut'}" in output
