@@ -191,13 +191,20 @@ def test_a_damaged_laws_file_is_one_line_and_exit_2(tmp_path, capsys, text):
         (("--optim", "muon", "--laws", "/no/such/laws.json"), "no such file"),
         (("--tokens", "1e9"), "--tokens goes with --optim"),
         (("--laws", "x.json"), "--laws goes with --optim"),
-        (("--optim", "muon", "--tokens", "0"), "--tokens must be positive"),
         (("--optim", "muon", "--grid", "2,4"), "--optim times one plan, not a --grid"),
     ],
 )
 def test_bad_time_to_target_flags_are_explained(argv, message):
     with pytest.raises(ConfigError, match=message):
         cli(*PLAN, *argv)
+
+
+def test_a_token_budget_that_is_not_positive_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:  # refused while the command line is read
+        main(["plan", *PLAN, "--optim", "muon", "--tokens", "0"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tokens" in err
 
 
 def test_when_no_synchronous_schedule_fits_the_fastest_is_compared_and_marked():
