@@ -204,9 +204,18 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from nobubble.data import DataError
     from nobubble.pipeline.comm import PeerFailure
     from nobubble.run.errors import TrainingError
+    from nobubble.runfolder import RunWriteError
     from nobubble.schedules import ScheduleError
 
-    return (ConfigError, DataError, TrainingError, CheckpointError, ScheduleError, PeerFailure)
+    return (
+        ConfigError,
+        DataError,
+        TrainingError,
+        CheckpointError,
+        ScheduleError,
+        PeerFailure,
+        RunWriteError,
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ all its steps, and one that stopped early on a signal, on non-finite losses or o
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
@@ -20,6 +21,7 @@ import shutil
 import socket
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,46 @@ def read_summary(folder: Path) -> dict[str, Any] | None:
     return summary
 
 
+# What frees a write that failed with these errors; any other: "fix that".
+_FIXES = {
+    errno.ENOSPC: "free space on its disk",
+    errno.EDQUOT: "free space (the disk quota is full)",
+    errno.EROFS: "make it writable",
+    errno.EACCES: "make it writable",
+    errno.EPERM: "make it writable (chattr -i, if it was made immutable)",
+}
+
+
+class RunWriteError(RuntimeError):
+    """A write into the run folder ``run`` failed (a full disk, a read-only folder): the one
+    line a run ends with (:meth:`RunFolder.writing` is the one place that makes it).
+
+    ``after``: what the leader adds once it knows more (whether summary.json could still be
+    written, the command that continues the run)."""
+
+    def __init__(self, run: Path, target: Path, exc: OSError) -> None:
+        super().__init__(run, target, exc)
+        self.run, self.target, self.errno = run, target, exc.errno
+        problem = os.strerror(exc.errno) if exc.errno else str(exc)
+        self.problem = problem[:1].lower() + problem[1:]
+        self.after = ""
+
+    def __str__(self) -> str:
+        fix = _FIXES.get(self.errno, "fix that")
+        return (
+            f"cannot write {self.target}: {self.problem}; the run stopped (everything written "
+            f"before is intact): {fix}, then continue it from its newest checkpoint"
+            f"{self.after}"
+        )
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the file ``fd``."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 class RunFolder:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -115,12 +157,35 @@ class RunFolder:
         """Make a new run folder at once (for callers with nothing to set up first)."""
         return NewRun(cfg, run_path(cfg), overwrite).commit()
 
+    @contextlib.contextmanager
+    def writing(self, target: Path) -> Iterator[None]:
+        """Writes into the run folder (to ``target``, or the file the error names): an
+        :class:`OSError` of theirs becomes a :class:`RunWriteError`."""
+        try:
+            yield
+        except OSError as exc:
+            failed = Path(exc.filename) if isinstance(exc.filename, str) else target
+            raise RunWriteError(self.path, failed, exc) from None
+
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        """Append a line to metrics.jsonl; a write that fails leaves the file as it was (a part
+        of the line written before, say on a full disk, is cut off again)."""
+        with self.writing(self.metrics_path):
+            fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                size = os.fstat(fd).st_size
+                try:
+                    write_all(fd, (json.dumps(record) + "\n").encode())
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, size)
+                    raise
+            finally:
+                os.close(fd)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        write_json_atomic(self.summary_path, summary)
+        with self.writing(self.summary_path):
+            write_json_atomic(self.summary_path, summary)
 
 
 def _beside(full: Path, kind: str) -> Path:

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file as _save_file
 
 from nobubble.checkpoint.named_state import NamedState, decode, encode, from_state_dict
 from nobubble.files import DamagedFile, read_json_object, write_json_atomic
@@ -122,6 +122,19 @@ def _for_safetensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             seen.add(cpu.untyped_storage().data_ptr())
         out[key] = cpu
     return out
+
+
+def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' ``save_file``; an I/O error of its write (it reports one as a
+    ``SafetensorError`` naming the OS error) is raised as the :class:`OSError` it is."""
+    try:
+        _save_file(tensors, path)
+    except SafetensorError as exc:
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def write_shard(

@@ -184,11 +184,17 @@ def wait_for(works: list[Work], timeout: datetime.timedelta, name: str, what: st
         for work in works:
             work.wait(timeout)
     except RuntimeError as exc:
-        raise PeerFailure(
-            f"{name} stopped waiting for {what}: one of them exited, crashed or is "
-            "stuck (its own error, in its log or above, says why); raise p2p_timeout_s if "
-            f"it is only slow. Transport said: {exc}"
-        ) from None
+        raise peer_failure(name, what, exc) from None
+
+
+def peer_failure(name: str, what: str, exc: RuntimeError) -> PeerFailure:
+    """The error of ``name`` (the rank that waited) whose collective ``what`` failed with
+    ``exc``: one of the other processes in it exited, crashed or is stuck."""
+    return PeerFailure(
+        f"{name} stopped waiting for {what}: one of them exited, crashed or is "
+        "stuck (its own error, in its log or above, says why); raise p2p_timeout_s if "
+        f"it is only slow. Transport said: {exc}"
+    )
 
 
 def _recorded_event() -> torch.cuda.Event:

@@ -58,7 +58,7 @@ from nobubble.pipeline.failure import add_schedule, schedule_around
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.links import Links, resolve_links
 from nobubble.pipeline.plan import RECV_AHEAD, Plan
-from nobubble.pipeline.replicas import replica_rows
+from nobubble.pipeline.replicas import peer_failure, replica_rows
 from nobubble.pipeline.shards import stage_groups
 from nobubble.pipeline.stats import StepStatistics
 from nobubble.pipeline.transport import active
@@ -130,7 +130,13 @@ class PipelineEngine:
         self.action_s: dict[tuple[int, ActionKind], float] = {}
 
     def barrier(self) -> None:
-        dist.barrier()
+        """Wait for every rank; one that exited (its connection closed) or is stuck is a
+        :class:`PeerFailure` (the one line a rank ends with when a peer failed)."""
+        try:
+            dist.barrier()
+        except RuntimeError as exc:
+            what = f"the other processes of the run at step {self.step} (a barrier)"
+            raise peer_failure(self.layout.name(), what, exc) from None
 
     # -- training -------------------------------------------------------------------------------
 

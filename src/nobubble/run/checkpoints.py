@@ -51,24 +51,26 @@ def save_checkpoint(
             "elapsed": asdict(elapsed),
             "metrics": lines,
         }
-        write_shard(
-            staging_dir(root, engine.step),
-            layout.shard,
-            engine.checkpoint_tensors(),
-            state["step"],
-            state["optimizer"],
-            torch.get_rng_state(),
-            meta,
-        )
+        with run.writing(staging_dir(root, engine.step)):
+            write_shard(
+                staging_dir(root, engine.step),
+                layout.shard,
+                engine.checkpoint_tensors(),
+                state["step"],
+                state["optimizer"],
+                torch.get_rng_state(),
+                meta,
+            )
     engine.barrier()
     if layout.is_leader:
-        publish(
-            staging_dir(root, engine.step),
-            root / checkpoint_name(engine.step),
-            engine.step,
-            layout.shards,
-        )
-        prune(root, cfg.keep_checkpoints)
+        with run.writing(root / checkpoint_name(engine.step)):
+            publish(
+                staging_dir(root, engine.step),
+                root / checkpoint_name(engine.step),
+                engine.step,
+                layout.shards,
+            )
+            prune(root, cfg.keep_checkpoints)
     engine.barrier()
 
 

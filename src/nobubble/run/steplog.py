@@ -125,8 +125,12 @@ class StepLogger:
             self.loggers.log(step, stage_scalars(reports))
 
     def flush(self) -> None:
+        """Write the pending line; one whose write fails is dropped, not tried again (by
+        :meth:`close`): the run stops, and its resume trains the step again and writes it."""
         if self.pending is not None and self.enabled:
-            self.run.append_metrics(self.pending)
+            line, self.pending = self.pending, None
+            self.run.append_metrics(line)
+            self.pending = line
             self.loggers.log(self.pending["step"], scalars_of(self.pending))
             if self.written and self.written[-1]["step"] != self.pending["step"]:
                 self.written = []

@@ -18,7 +18,7 @@ from nobubble.provenance import machine, provenance
 from nobubble.resume import resume_command
 from nobubble.run.errors import NonFiniteError
 from nobubble.run.steplog import StepLogger
-from nobubble.runfolder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder
+from nobubble.runfolder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder, RunWriteError
 
 
 def why_stopped(error: BaseException) -> tuple[str, str]:
@@ -40,15 +40,28 @@ def stops_recorded(
     """On the leader, write summary.json for a run that an error or a signal ends early, saying
     why; where it cannot be written, the run's own error is what the user sees. A session that
     trained no step leaves an existing summary alone (a finished run's is never replaced by
-    that of an attempt that did nothing)."""
+    that of an attempt that did nothing). A run that a failed write into its folder stopped
+    (:class:`RunWriteError`) ends with a line that also says whether summary.json could still
+    be written and the command that continues it."""
     try:
         yield
     except BaseException as error:
+        written = None
         if log.enabled and not (log.done == resumed_at and run.summary_path.exists()):
             stopped, reason = why_stopped(error)
             summary = run_summary(log, engine, usage, resumed_at, None, stopped, reason)
-            with contextlib.suppress(OSError):
+            try:
                 run.write_summary(summary)
+                written = True
+            except RunWriteError:
+                written = False
+        if isinstance(error, RunWriteError):  # on any rank: the command that continues
+            said = {
+                True: "; summary.json says why it stopped",
+                False: "; summary.json could not be written either",
+                None: "",
+            }[written]
+            error.after = f": {resume_command(run.path, engine.layout.world)}{said}"
         raise
 
 
