@@ -170,6 +170,24 @@ def built(tmp_path_factory) -> tuple[Path, dict]:
     return out, build(out, fake_root(tmp / "root"))
 
 
+def test_a_folder_with_other_data_is_refused_and_left_alone(tmp_path, built):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "shard_00000.bin").write_bytes(b"theirs")
+    with pytest.raises(DataError, match="not empty and holds no english-v1 build"):
+        build(out, fake_root(tmp_path / "root"))
+    assert [p.name for p in out.iterdir()] == ["shard_00000.bin"]
+    assert (out / "shard_00000.bin").read_bytes() == b"theirs"
+
+
+def test_an_earlier_build_may_be_built_again(built, tmp_path):
+    out, manifest = built
+    again = build(out, fake_root(tmp_path / "root"))
+    assert {k: v for k, v in again.items() if k != "command"} == {
+        k: v for k, v in manifest.items() if k != "command"
+    }
+
+
 def test_manifest_counts_every_source(built):
     out, manifest = built
     assert manifest == json.loads((out / "manifest.json").read_text())

@@ -220,10 +220,28 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _check_own_folder(out_dir: Path) -> None:
+    """A build replaces the shards, text and tokenizer of ``out_dir``: refuse a folder that holds
+    anything but an earlier build of this corpus (its manifest names it), so that nobody's
+    data is deleted by pointing the builder at it."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    try:
+        own = json.loads((out_dir / "manifest.json").read_text()).get("name") == NAME
+    except (OSError, ValueError, AttributeError):
+        own = False
+    if not own:
+        raise DataError(
+            f"{out_dir} is not empty and holds no {NAME} build (its manifest.json): the build "
+            "would replace shards and files there; build into a new or empty folder"
+        )
+
+
 def build(out_dir: Path, root: Path = Path("/")) -> dict:
     """Build the corpus into ``out_dir`` from the packages installed under ``root``; returns
     the manifest (also written to ``out_dir/manifest.json``)."""
     check_sources(root)
+    _check_own_folder(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     text_dir = out_dir / "text"  # not directly in out_dir: data=OUT_DIR/ reads only the shards
     text_dir.mkdir(exist_ok=True)
