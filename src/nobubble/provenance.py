@@ -53,3 +53,9 @@ def machine() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def machine_in_words(record: dict[str, Any]) -> str:
+    """A :func:`machine` record as one phrase: "GPU on CPU (N CPUs KERNELS)"."""
+    host = f"{record.get('cpu')} ({record.get('cpus')} CPUs {record.get('cpu_capability')})"
+    return f"{record['gpu']} on {host}" if record.get("gpu") else host

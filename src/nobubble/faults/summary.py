@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nobubble.faults.draw import KINDS, RANK_KINDS, Trial
+from nobubble.provenance import machine_in_words
 
 EXACT = "exact"  # resumed to the end, its metrics and final weights bitwise its twin's
 LOST = "lost"  # resumed, and something differs or is missing (said in ``lost``)
@@ -94,8 +95,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
         "",
         f"Command: `{summary['command']}`  ",
         f"Code: nobubble {summary['code']['nobubble']}, torch {summary['code']['torch']}  ",
-        f"Machine: {summary['machine']['cpu']}, {summary['machine']['cpus']} CPUs"
-        + (f", {summary['machine']['gpu']}" if summary["machine"].get("gpu") else ""),
+        f"Machine: {machine_in_words(summary['machine'])}",
         "",
         f"**{totals['exact']} of {totals['injected']} faulted runs resumed exactly**; "
         f"{totals['lost']} lost something, {totals['failed']} could not be judged, "

@@ -22,6 +22,7 @@ from typing import Any
 from nobubble.config import FIELDS, ConfigError, TrainConfig, coerce, from_saved
 from nobubble.downstream.scores import Column, Score, latest_scores
 from nobubble.files import DamagedFile, read_json_lines, read_json_object
+from nobubble.provenance import machine_in_words
 from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
 from nobubble.schedules.registry import SCHEDULES
 from nobubble.staleness import DRIFT, STEP_MEASURES
@@ -124,11 +125,7 @@ class Run:
         """The machine its summary.json records (:func:`nobubble.provenance.machine`), in words;
         ``NOT_RECORDED`` for a run of a version that did not record it."""
         found = self.summary.get("machine")
-        if not isinstance(found, dict):
-            return NOT_RECORDED
-        cpu = f"{found.get('cpus')} CPUs {found.get('cpu_capability')}"
-        host = f"{found.get('cpu')} ({cpu})"
-        return f"{found['gpu']} on {host}" if found.get("gpu") else host
+        return machine_in_words(found) if isinstance(found, dict) else NOT_RECORDED
 
     @property
     def code(self) -> str:
