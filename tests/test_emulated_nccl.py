@@ -112,6 +112,42 @@ def test_one_group_for_every_message_hangs_1f1b_as_nccl_would_and_says_where(tmp
     nobubble(tmp_path / "gloo", *run, stages=2)  # the same settings on plain gloo: no hang
 
 
+@pytest.mark.parametrize(
+    ("stages", "schedule", "micro", "extra"),
+    [
+        (2, "1f1b", 4, []),
+        pytest.param(4, "2bw", 8, [], marks=EXTENDED),
+        pytest.param(2, "gpipe", 4, [], marks=EXTENDED),
+        pytest.param(2, "zb-h1", 4, [], marks=EXTENDED),
+        pytest.param(2, "interleaved-1f1b", 4, [], marks=EXTENDED),
+    ],
+)
+def test_without_the_warmup_the_lazy_connections_hang_step_0_and_name_the_first_posts(
+    tmp_path, stages, schedule, micro, extra
+):
+    """NCCL connects a pair on its first send/receive there and blocks the poster until the
+    peer posts its own first. Stage 0 posts its first gradient receive (ahead of need) before it
+    sends activation 0, stage 1 blocks in its first activation receive: each waits in a first
+    post for the other. With ``p2p_warmup=false`` the emulator must reproduce that hang at step
+    0 (if it stopped modelling lazy connections, this run would pass and the test fail); with
+    the warm-up the same run is the schedule matrix's (above)."""
+    run = settings(stages, schedule, micro, ["optim=adamw", "p2p_timeout_s=15", *extra])
+    result = nobubble(
+        tmp_path / "hung", *run, *EMULATED, "p2p_warmup=false", stages=stages, check=False
+    )
+    assert result.returncode != 0
+    error = result.stderr
+    assert "was not done after 15s" in error and "Traceback" not in error
+    # each rank blocked in a first post of its own, each named
+    assert "\nrank 0: waits for the connection for 'receive " in error
+    assert "\nrank 1: waits for the connection for 'receive " in error
+    assert "NCCL connects ranks on a group at their first operation there" in error
+    assert (
+        not (tmp_path / "hung" / "metrics.jsonl").exists()
+        or "train_loss" not in (tmp_path / "hung" / "metrics.jsonl").read_text()
+    )  # step 0 never finished
+
+
 def _post_in_either_order(rank: int, port: int, results) -> None:
     """Rank 0 sends two messages with different tags; rank 1 receives them by tag, in the other
     order: gloo matches tags, NCCL (and the emulator) the order."""

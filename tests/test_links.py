@@ -3,6 +3,8 @@ without processes. The runs over these routes are in test_pipeline_parity.py and
 test_data_parallel.py (``p2p_routes=per-edge``), and under the NCCL emulator in
 test_emulated_nccl.py."""
 
+import datetime
+
 import pytest
 
 from nobubble.config import ConfigError
@@ -20,7 +22,7 @@ def groups(monkeypatch):
     the default backend is gloo unless a test says otherwise."""
     made = []
 
-    def new_group(ranks=None, backend=None, group_desc=None):
+    def new_group(ranks=None, timeout=None, backend=None, group_desc=None):
         made.append(("group", tuple(ranks) if ranks else None, backend, len(made)))
         return made[-1]
 
@@ -51,6 +53,25 @@ def test_under_the_emulator_auto_routes_are_nccls_and_shared_ones_are_allowed():
     """auto takes NCCL's routes; shared stays possible, to show the hang NCCL would have."""
     assert resolve_links("auto", "gloo", emulated=True) == "per-edge"
     assert resolve_links("shared", "gloo", emulated=True) == "shared"
+
+
+def test_every_group_takes_the_runs_group_timeout_not_torchs_default(monkeypatch):
+    """dist.new_group gives NCCL's 10 minutes whatever the default group has: the transport
+    passes group_timeout_s to every group it makes (the edges' and the control plane's)."""
+    timeouts = []
+
+    def new_group(ranks=None, timeout=None, backend=None, group_desc=None):
+        timeouts.append(timeout)
+        return object()
+
+    monkeypatch.setattr(links_module.dist, "new_group", new_group)
+    monkeypatch.setattr(links_module.dist, "get_backend", lambda: "nccl")
+    install(Transport(datetime.timedelta(seconds=1800)))
+    try:
+        Links.build(ParallelLayout(pp=3), "per-edge")
+    finally:
+        install(Transport())
+    assert timeouts == [datetime.timedelta(seconds=1800)] * (3 * 2 + 1)  # edges, control
 
 
 def test_shared_routes_use_the_default_group_for_everything(groups):

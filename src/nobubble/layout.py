@@ -27,6 +27,7 @@ description only.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -173,10 +174,14 @@ class ParallelLayout:
             raise ValueError(f"rank {rank} is not in a layout of {self.world} processes")
 
 
-def device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
+def device_mesh(
+    layout: ParallelLayout, device_type: str, timeout: datetime.timedelta | None = None
+) -> DeviceMesh:
     """The torch device mesh of ``layout`` (dimensions ``MESH_DIMS``), under an initialized
     process group; ``mesh.get_group("dp")`` holds the replicas of this rank's stage and
-    ``mesh.get_group("pp")`` the stages of its replica, in stage order.
+    ``mesh.get_group("pp")`` the stages of its replica, in stage order. ``timeout``: that of
+    its "dp" groups (torch gives a mesh's groups the backend's default, not the default
+    group's; a "dp" dimension that spans every rank *is* the default group).
 
     A mesh holds references to the default process group (with ``dp = 1`` its "pp" group *is*
     the default group): drop it before :func:`nobubble.pipeline.process_group.close_process_group`,
@@ -184,7 +189,12 @@ def device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=MESH_DIMS)
+    override = {}
+    if timeout is not None and layout.pp > 1:
+        override["dp"] = _group_options(device_type, timeout)
+    mesh = init_device_mesh(
+        device_type, (layout.pp, layout.dp), mesh_dim_names=MESH_DIMS, backend_override=override
+    )
     if tuple(mesh.get_coordinate() or ()) != layout.coordinates(layout.rank):
         raise RuntimeError(
             f"the device mesh puts rank {layout.rank} at (pp, dp) = {mesh.get_coordinate()}, the "
@@ -193,9 +203,24 @@ def device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     return mesh
 
 
-def replica_group(layout: ParallelLayout, device_type: str) -> ProcessGroup | None:
+def _group_options(device_type: str, timeout: datetime.timedelta) -> tuple[str, object]:
+    """The backend of a mesh on ``device_type`` and its options with ``timeout``."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    options = (
+        dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    )
+    options._timeout = timeout
+    return backend, options
+
+
+def replica_group(
+    layout: ParallelLayout, device_type: str, timeout: datetime.timedelta | None = None
+) -> ProcessGroup | None:
     """The process group of this rank's stage's data-parallel replicas (its mesh's "dp"
-    group), or None without data parallelism. Every rank must call it (it builds the mesh)."""
+    group, with ``timeout``), or None without data parallelism. Every rank must call it (it
+    builds the mesh)."""
     if layout.dp == 1:
         return None
-    return device_mesh(layout, device_type).get_group("dp")
+    return device_mesh(layout, device_type, timeout).get_group("dp")

@@ -174,6 +174,8 @@ READ_WHEN: dict[str, ReadWhen] = {
     ),
     "p2p_timeout_s": _TORCHRUN,
     "p2p_routes": _TORCHRUN,
+    "group_timeout_s": _TORCHRUN,
+    "p2p_warmup": _TORCHRUN,
     "dist_backend": _TORCHRUN,
     "emulate_nccl": _TORCHRUN,
     "partition": ReadWhen(

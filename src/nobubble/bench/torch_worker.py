@@ -257,7 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_torch(cfg)
     device, backend = device_and_backend(cfg)
     layout = launch_layout(cfg)
-    open_process_group(backend, device, layout.rank, layout.world, cfg.p2p_timeout_s)
+    open_process_group(
+        backend, device, layout.rank, layout.world, cfg.group_timeout_s, cfg.p2p_timeout_s
+    )
     try:
         run_dir = Path(args.out)
         run = RunFolder.create(cfg, overwrite=True) if layout.is_leader else None

@@ -21,6 +21,13 @@ def check_schema(cfg: TrainConfig) -> None:
             f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
             "pick a batch size that is a multiple of the microbatch count"
         )
+    if cfg.group_timeout_s < cfg.p2p_timeout_s:
+        raise ConfigError(
+            f"group_timeout_s={cfg.group_timeout_s:g} is below p2p_timeout_s="
+            f"{cfg.p2p_timeout_s:g}: the backend would abort a stage's wait for a peer before "
+            "the stage gives up on it with its error; raise group_timeout_s (default 1800) or "
+            "lower p2p_timeout_s"
+        )
     if cfg.microbatch_size() % cfg.dp:
         raise ConfigError(
             f"each of the {cfg.microbatches} microbatches of batch_size {cfg.batch_size} holds "

@@ -59,6 +59,23 @@ class ParallelSettings:
         POSITIVE,
         resume=FREE,
     )
+    group_timeout_s: float = setting(
+        1800.0,
+        "pipeline: the timeout of every process group (the default one, the stage edges', the "
+        "replicas', the control plane's): how long a collective, a barrier or a message may "
+        "stay pending before the backend aborts it (NCCL's watchdog); above p2p_timeout_s, so "
+        "a checkpoint's barrier or a stage's compilation does not abort the run",
+        POSITIVE,
+        resume=FREE,
+    )
+    p2p_warmup: bool = setting(
+        True,
+        "pipeline: connect every stage edge and replica group in one global order before the "
+        "first action (NCCL connects a pair on its first send/receive and blocks until the "
+        "peer's first; without it most schedules hang at step 0 on NCCL and under "
+        "emulate_nccl)",
+        resume=FREE,
+    )
     p2p_routes: str = setting(
         "auto",
         "pipeline: process groups of the messages: shared (one group; gloo only: it pairs by "

@@ -13,6 +13,7 @@ class Channel(enum.IntEnum):
     EVAL_SUMS = 4
     CONTROL = 5
     STOP_VOTE = 6
+    CONNECT = 7  # the warm-up's first message on a stage edge (nobubble.pipeline.warmup)
 
 
 def tag(channel: Channel, sequence: int, chunk: int = 0, chunks: int = 1) -> int:

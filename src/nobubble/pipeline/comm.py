@@ -98,7 +98,13 @@ class Messenger:
         group = self.links.group(channel, peer, self._replica(replica))
         what = f"send {message_name(channel, sequence)} to {self.layout.name(peer, replica)}"
         self._let_go_of_completed_sends()
-        self.sends.append((self.transport.send(tensor, rank, group, number, what), tensor))
+        started = time.perf_counter()
+        try:  # a first post on a group connects the pair (NCCL), and that may fail
+            work = self.transport.send(tensor, rank, group, number, what)
+        except RuntimeError as exc:
+            waited = time.perf_counter() - started
+            raise self._failure(what, self.layout.name(peer, replica), waited, exc) from None
+        self.sends.append((work, tensor))
         if len(self.sends) > SEND_WINDOW:
             self._wait_sends(self.sends[:-SEND_WINDOW])
             del self.sends[:-SEND_WINDOW]
@@ -124,7 +130,14 @@ class Messenger:
         group = self.links.group(channel, receiver, self._replica(replica))
         rank = self.layout.rank_of(peer, replica)
         name = f"receive {message_name(channel, sequence)} from {self.layout.name(peer, replica)}"
-        work = self.transport.recv(buffer, rank, group, number, name)
+        started = time.perf_counter()
+        try:  # a first post on a group connects the pair (NCCL), and that may fail
+            work = self.transport.recv(buffer, rank, group, number, name)
+        except RuntimeError as exc:
+            waited = time.perf_counter() - started
+            raise self._failure(
+                f"posting {name}", self.layout.name(peer, replica), waited, exc
+            ) from None
         return PendingRecv(buffer, work, peer, replica, what, channel, sequence, device)
 
     def _replica(self, replica: int | None) -> int:

@@ -11,6 +11,15 @@ NCCL hangs where gloo does not because of three rules, which this transport adds
   gloo; posting never blocks, waiting blocks until the operation has run.
 - **A send completes only once the peer's matching receive runs**: gloo completes a send when its
   receive is posted, and here a receive is posted only when its queue reaches it.
+- **Connections are made on first use, and the first use blocks.** NCCL connects two ranks of a
+  communicator for point-to-point the first time one sends to the other there, and that setup
+  runs on the posting thread until the peer posts its own first operation of the pair (the
+  receive from this rank; NCCL's own words: "send/recv connections are established on demand").
+  So here a rank's first send to a peer on a group (and its first receive from one) blocks the
+  caller until the peer has posted the matching first receive (send); a group's first
+  collective blocks until every member has posted its first collective there. A runtime that
+  posts a receive ahead on one group while its peer waits to post on another hangs at step 0,
+  as on NCCL; :mod:`nobubble.pipeline.warmup` connects every group first, in one global order.
 
 Everything else is gloo's: the same bytes arrive and the all-reduces sum in gloo's order, so a run
 computes bitwise what it computes without the emulator. The control plane's own gloo group (the
@@ -40,6 +49,7 @@ from nobubble.pipeline.transport import Launch, MismatchedMessages, Transport, W
 HEADER_BYTES = 96  # ahead of a message's data: its tag (8 bytes), what it is (UTF-8)
 FOREVER = datetime.timedelta(days=1)  # a queue's own gloo waits: NCCL would wait as long
 STUCK_KEY = "emulated_nccl/stuck/"  # + rank: what that rank had posted and not finished
+CONNECT_KEY = "emulated_nccl/connect/"  # + group, then sender->receiver/side, or collective/rank
 SHOWN = 4  # operations of a queue a report lists
 
 
@@ -171,14 +181,24 @@ class EmulatedNccl(Transport):
 
     emulated = True
 
-    def __init__(self, rank: int, world: int, store: dist.Store, timeout_s: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        store: dist.Store | None,
+        timeout_s: float,
+        group_timeout: datetime.timedelta | None = None,
+    ) -> None:
+        super().__init__(group_timeout)
         self.rank, self.world, self.limit = rank, world, timeout_s
         self.queues: dict[dist.ProcessGroup, _Queue] = {}
+        self.connected: set[str] = set()  # this rank's sides of the connections made so far
         self.plain: set[dist.ProcessGroup] = set()  # gloo's own groups: not emulated
         self.posted: dict[tuple[dist.ProcessGroup, str, int], int] = {}  # messages so far
         self.waits: list[tuple[str, float]] = []  # what the main thread waits for, since when
         self.lock = threading.Lock()
-        self.stores = [self._reporting(store), self._reporting(store)]  # monitor's, report's
+        # the monitor's, the reports' and the connections' (None: no store, nothing connects)
+        self.stores = [self._reporting(store), self._reporting(store), self._reporting(store)]
         self.published = False
         self.stopping = threading.Event()
         self.monitor = threading.Thread(target=self._watch, name="emulated NCCL monitor")
@@ -201,6 +221,7 @@ class EmulatedNccl(Transport):
         group = _resolved(group)
         if group in self.plain:
             return _Watched(dist.isend(tensor, rank, group=group, tag=tag), label, self)
+        self._connect(group, f"{self.rank}->{rank}", "send", "recv", label)
         number = self._count(group, "send", rank)
 
         def body() -> None:
@@ -215,6 +236,7 @@ class EmulatedNccl(Transport):
         group = _resolved(group)
         if group in self.plain:
             return _Watched(dist.irecv(buffer, rank, group=group, tag=tag), label, self)
+        self._connect(group, f"{rank}->{self.rank}", "recv", "send", label)
         number = self._count(group, "recv", rank)
 
         def body() -> None:
@@ -242,6 +264,9 @@ class EmulatedNccl(Transport):
         group = _resolved(group)
         if group in self.plain:
             return _Watched(launch(), label, self)
+        members = dist.get_process_group_ranks(group)
+        others = [str(rank) for rank in members if rank != self.rank]
+        self._connect(group, "collective", str(self.rank), others, label)
 
         def body() -> None:
             _finish(launch())
@@ -254,6 +279,38 @@ class EmulatedNccl(Transport):
         group = super().control_group()
         self.plain.add(group)
         return group
+
+    def _connect(
+        self,
+        group: dist.ProcessGroup,
+        pair: str,
+        side: str,
+        peers: str | list[str],
+        label: str,
+    ) -> None:
+        """Before this rank's first operation of ``pair`` on ``group`` (a one-way pair of
+        ranks, or the group's collectives), say so in the store and block until the peers'
+        sides (``peers``, under ``pair``) are there too: NCCL's lazy connection (the module's
+        docstring). Nothing to do once connected, or without a store."""
+        store = self.stores[2]
+        prefix = f"{CONNECT_KEY}{group.group_name}/{pair}/"
+        if store is None or prefix + side in self.connected:
+            return
+        store.set(prefix + side, "1")
+        waited = [prefix + peer for peer in ([peers] if isinstance(peers, str) else peers)]
+        what = (
+            f"the connection for '{label}' on {_group_name(group)} (NCCL connects ranks on a "
+            "group at their first operation there and blocks until the peer posts its own first)"
+        )
+        started = time.monotonic()
+        with self.awaiting(what):
+            delay = 0.001
+            while not store.check(waited):
+                if time.monotonic() - started > self.limit:
+                    raise RuntimeError(self.hang_report(what, time.monotonic() - started))
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
+        self.connected.add(prefix + side)
 
     def _count(self, group: dist.ProcessGroup, direction: str, peer: int) -> int:
         """How many messages this rank has posted to (from) ``peer`` on ``group`` before."""
@@ -378,6 +435,7 @@ class EmulatedNccl(Transport):
             self.queues.clear()
         self.plain.clear()
         self.posted.clear()
+        self.connected.clear()
         return all([queue.close(timeout_s=1.0) for queue in queues])
 
 

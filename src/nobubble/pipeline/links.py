@@ -82,7 +82,7 @@ class Links:
                 for channel in DATA_CHANNELS:
                     # a two-rank group per channel and edge (neighbours on one process need none)
                     name = f"{channel.name.lower()} {stage}->{stage + 1} of replica {replica}"
-                    group = dist.new_group(ranks, group_desc=name) if len(ranks) == 2 else None
+                    group = transport.new_group(ranks, name) if len(ranks) == 2 else None
                     receiver = stage if channel is Channel.GRADIENT else stage + 1
                     routes.edges[(channel, receiver, replica)] = group
         if not transport.pairs_by_tag:

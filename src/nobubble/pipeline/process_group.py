@@ -100,14 +100,16 @@ def open_process_group(
     device: torch.device,
     rank: int,
     world: int,
-    timeout_s: float,
+    group_timeout_s: float,
+    p2p_timeout_s: float,
     emulate_nccl: bool = False,
 ) -> None:
     """Join the run's process group (see the module docstring for the early import) and set up
-    this process's transport: NCCL's manner on gloo with ``emulate_nccl``."""
+    this process's transport: NCCL's manner on gloo with ``emulate_nccl``. Every group of the
+    run has ``group_timeout_s``; ``p2p_timeout_s`` is how long the emulator's waits last."""
     import torch._dynamo  # noqa: F401  (before the group exists, so it keeps no reference)
 
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=group_timeout_s)
     store = attempt_store(rank, world, timeout)
     dist.init_process_group(
         backend,
@@ -117,7 +119,10 @@ def open_process_group(
         timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
-    install(EmulatedNccl(rank, world, store, timeout_s) if emulate_nccl else Transport())
+    if emulate_nccl:
+        install(EmulatedNccl(rank, world, store, p2p_timeout_s, timeout))
+    else:
+        install(Transport(timeout))
 
 
 def close_process_group() -> bool:

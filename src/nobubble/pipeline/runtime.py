@@ -63,6 +63,7 @@ from nobubble.pipeline.shards import stage_groups
 from nobubble.pipeline.stats import StepStatistics
 from nobubble.pipeline.transport import active
 from nobubble.pipeline.updates import Updates
+from nobubble.pipeline.warmup import collective_connections, connect, edge_connections
 from nobubble.profiling import OFF, action_label, labelled
 from nobubble.schedules import Action, ActionKind, schedule_spec
 from nobubble.stage_options import autocast
@@ -113,6 +114,13 @@ class PipelineEngine:
         routes = resolve_links(cfg.p2p_routes, dist.get_backend(), active().emulated)
         links = Links.build(layout, routes)
         self.messenger = Messenger(layout, cfg.p2p_timeout_s, links)
+        if cfg.p2p_warmup:
+            chains = {stage: groups.chain for stage, groups in sharded.items()}
+            connections = [
+                *edge_connections(self.messenger, layout),
+                *collective_connections(layout, tied, replicas, chains),
+            ]
+            connect(self.messenger, connections, device)
         delay = max(held.trained.delay for held in self.held.values())
         self.control = StepControl(layout, self.messenger, device, delay)
         self.micro_per_step = cfg.microbatches  # pipedream: 1, which the config enforces
@@ -349,7 +357,7 @@ def tied_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
         for replica in range(layout.dp)
         for stage in (0, layout.model_stages - 1)
     )
-    group = dist.new_group(ranks)
+    group = active().new_group(ranks, "tied copies")
     return group if layout.is_first_stage or layout.is_last_stage else None
 
 

@@ -334,9 +334,12 @@ def stage_groups(
     mine = {}
     for stage in range(layout.model_stages):
         ranks = [layout.rank_of(stage, r) for r in range(layout.dp)]
-        chain = dist.new_group(ranks) if layout.chunks > 1 else replicas
-        plain = backend == "gloo" and not active().emulated
-        state = chain if plain else dist.new_group(ranks, backend="gloo")
+        transport = active()
+        chain = (
+            transport.new_group(ranks, f"chain of stage {stage}") if layout.chunks > 1 else replicas
+        )
+        plain = backend == "gloo" and not transport.emulated
+        state = chain if plain else transport.new_group(ranks, f"state of stage {stage}", "gloo")
         if stage in layout.stages:
             mine[stage] = StageGroups(chain, state)
     return mine

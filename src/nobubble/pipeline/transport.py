@@ -45,6 +45,17 @@ class Transport:
 
     emulated = False
 
+    def __init__(self, group_timeout: datetime.timedelta | None = None) -> None:
+        self.group_timeout = group_timeout  # every group's (group_timeout_s); None: torch's
+
+    def new_group(
+        self, ranks: list[int] | None, desc: str, backend: str | None = None
+    ) -> dist.ProcessGroup:
+        """A process group of ``ranks`` (None: every rank) with the run's group timeout
+        (``dist.new_group`` gives NCCL's 10 minutes otherwise, whatever the default group has).
+        Every rank must call it, in the same order, as ``dist.new_group`` requires."""
+        return dist.new_group(ranks, timeout=self.group_timeout, backend=backend, group_desc=desc)
+
     @property
     def pairs_by_tag(self) -> bool:
         """Whether a receive takes the send with its tag whatever the order (gloo), or the
@@ -83,7 +94,7 @@ class Transport:
     def control_group(self) -> dist.ProcessGroup:
         """A gloo group of every rank, whose messages pair by tag whatever the default backend
         (every rank must create it, at the same point)."""
-        return dist.new_group(backend="gloo", group_desc="control (gloo)")
+        return self.new_group(None, "control (gloo)", "gloo")
 
     def close(self) -> bool:
         """Stop what the transport runs beside the process group; whether all of it stopped."""

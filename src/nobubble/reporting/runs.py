@@ -32,13 +32,16 @@ from nobubble.unused import never_read
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
 # staleness_every and applied_error_every only measure (the same steps, with or without them:
 # tests/test_staleness.py, tests/test_applied_error.py);
-# emulate_nccl only changes how messages travel (bitwise the same run: tests/test_emulated_nccl.py).
+# emulate_nccl and p2p_warmup only change how messages travel (bitwise the same run:
+# tests/test_emulated_nccl.py); group_timeout_s, like p2p_timeout_s, only when a stuck run gives up.
 NON_RESULT_KEYS = (
     "out",
     "name",
     "threads",
     "progress",
     "p2p_timeout_s",
+    "group_timeout_s",
+    "p2p_warmup",
     "p2p_routes",
     "staleness_every",
     "applied_error_every",

@@ -12,6 +12,7 @@ run folder changes only once every stage is set up (:func:`nobubble.run.setup.tr
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import sys
@@ -176,6 +177,7 @@ class TorchrunLauncher:
             self.device,
             self.layout.rank,
             self.layout.world,
+            cfg.group_timeout_s,
             cfg.p2p_timeout_s,
             cfg.emulate_nccl,
         )
@@ -183,7 +185,8 @@ class TorchrunLauncher:
         self.replicas = None
         try:  # the mesh of the backend's device: gloo's groups sum CUDA tensors too
             mesh_device = "cpu" if backend == "gloo" else self.device.type
-            self.replicas = replica_group(self.layout, mesh_device)
+            timeout = datetime.timedelta(seconds=cfg.group_timeout_s)
+            self.replicas = replica_group(self.layout, mesh_device, timeout)
         except BaseException:
             close_process_group()
             raise
