@@ -26,6 +26,7 @@ from nobubble.reporting.scaling import (
     setup_of,
     size_and_tokens,
 )
+from nobubble.reporting.scaling_report import origins_line
 
 PNG = b"\x89PNG\r\n\x1a\n"
 M = 1e6
@@ -188,9 +189,16 @@ def test_the_study_s_relative_figures_are_its_gaps_over_its_sync_loss():
 SMALL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 352}
 
 
-def make_run(root: Path, name: str, final: float, **settings) -> Path:
+XEON = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_capability": "AVX512", "cpus": 2, "gpu": None}
+EPYC = {"cpu": "AMD EPYC", "cpu_capability": "AVX512", "cpus": 2, "gpu": None}
+
+
+def make_run(
+    root: Path, name: str, final: float, machine: dict = XEON, commit: str = "abc1234", **settings
+) -> Path:
     """A finished run folder: the loss falls from 5.0 through ``final + 1`` at half its steps
-    to ``final`` at its last (a non-finite ``final``: it diverged)."""
+    to ``final`` at its last (a non-finite ``final``: it diverged); made on ``machine`` by
+    nobubble ``commit``."""
     cfg = TrainConfig(**settings)
     folder = root / name
     folder.mkdir(parents=True)
@@ -199,9 +207,32 @@ def make_run(root: Path, name: str, final: float, **settings) -> Path:
     evals = [(0, 5.0), (steps // 2, final + 1.0), (steps, final)]
     lines = [{"step": s, "val_loss": v, "val_bpb": v, "train_time_s": float(s)} for s, v in evals]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    summary = {"final_val_loss": final, "final_val_bpb": final}
+    summary = {"final_val_loss": final, "final_val_bpb": final, "machine": machine}
+    summary["code"] = {"nobubble": commit, "torch": "2.13.0+cpu"}
     (folder / "summary.json").write_text(json.dumps(summary))
     return folder
+
+
+def test_a_pair_across_machines_or_code_versions_is_left_out_unless_allowed(tmp_path):
+    """Each gap is one machine's and one code version's; different pairs may differ."""
+    root = tmp_path / "runs"
+    make_run(root, "sync0", 2.0, schedule="sync", seed=0, steps=40)
+    make_run(root, "2bw0", 2.3, schedule="2bw", seed=0, steps=40, machine=EPYC)
+    make_run(root, "sync1", 2.0, schedule="sync", seed=1, steps=40, commit="def5678")
+    make_run(root, "2bw1", 2.3, schedule="2bw", seed=1, steps=40)
+    make_run(root, "sync2", 2.0, schedule="sync", seed=2, steps=40, machine=EPYC)
+    make_run(root, "2bw2", 2.3, schedule="2bw", seed=2, steps=40, machine=EPYC)
+    make_run(root, "sync3", 2.0, schedule="sync", seed=3, steps=40)
+    make_run(root, "2bw3", 2.3, schedule="2bw", seed=3, steps=40)
+    runs, _ = discover([root])
+    ladder = pair_runs(runs)
+    assert sorted(p.delayed.path.name for p in ladder.pairs) == ["2bw2", "2bw3"]
+    machine, code = sorted(ladder.excluded)
+    assert "2bw0" in machine and "its machine is AMD EPYC" in machine
+    assert "2bw1" in code and "its code is nobubble abc1234" in code and "def5678" in code
+    line = origins_line(ladder.pairs)
+    assert "1 on AMD EPYC" in line and "1 on Intel(R) Xeon(R) Processor" in line
+    assert len(pair_runs(runs, allow_mixed=True).pairs) == 4
 
 
 def test_auto_is_recognised_by_the_choice_it_resolves_to():

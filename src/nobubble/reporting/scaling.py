@@ -6,7 +6,11 @@ Every delayed run is paired with the synchronous run (no correction) with the sa
 seed but for how the pipeline runs (:data:`nobubble.reporting.groups.PIPELINE_KEYS`: the same
 size, length, optimizer and learning rate); where several qualify, the one of the same shape.
 A delayed run without its partner is listed, never dropped silently; so is a pair with a
-diverged run (an infinite gap has no place on a log scale).
+diverged run (an infinite gap has no place on a log scale), and a pair whose two runs were made
+on different machines or by different code versions (float rounding differs between CPUs, so
+such a gap mixes the delay with the machine; ``allow_mixed`` keeps it). Different pairs may come
+from different machines: each gap is a difference on one machine, and the report lists the
+machines and code versions behind its pairs.
 
 A run's *setup* is its schedule and corrections (``2bw``, ``2bw+ef``); ``2bw+auto`` when its
 corrections and their strengths are those ``correction=auto`` chooses for its optimizer and
@@ -119,7 +123,7 @@ class Ladder:
     excluded: list[str]  # pairs with a diverged run; runs that are no part of a ladder
 
 
-def pair_runs(runs: Sequence[Run]) -> Ladder:
+def pair_runs(runs: Sequence[Run], allow_mixed: bool = False) -> Ladder:
     """Each delayed run with its synchronous partner (see the module's docstring)."""
     setups = {id(run): setup_of(run.settings) for run in runs}
     syncs = [r for r in runs if setups[id(r)] == SYNC]
@@ -145,8 +149,34 @@ def pair_runs(runs: Sequence[Run]) -> Ladder:
             which = "it" if run.diverged else f"its sync partner {found[0].path}"
             excluded.append(f"{run.path} ({setup}): {which} diverged; the gap is infinite")
             continue
+        if not allow_mixed and (mixed := _mixed_origins(found[0], run)):
+            excluded.append(f"{run.path} ({setup}): {mixed} (--allow-mixed-references keeps it)")
+            continue
         pairs.append(Pair(found[0], run, setup, *size_and_tokens(settings)))
     return Ladder(pairs, unpaired, excluded)
+
+
+def _mixed_origins(sync: Run, delayed: Run) -> str | None:
+    """Why a pair's gap is not one machine's and one code version's (None: it is)."""
+    for what, mine, theirs in (
+        ("machine", delayed.machine, sync.machine),
+        ("code", delayed.code, sync.code),
+    ):
+        if mine != theirs:
+            return (
+                f"its {what} is {mine} and its sync partner's ({sync.path}) {theirs}: a gap "
+                f"across {what}s measures more than the delay"
+            )
+    return None
+
+
+def origins(pairs: Sequence[Pair]) -> dict[tuple[str, str], int]:
+    """How many pairs each (machine, code version) made."""
+    counts: dict[tuple[str, str], int] = {}
+    for pair in pairs:
+        key = (pair.delayed.machine, pair.delayed.code)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _without_pipeline(run: Run) -> dict:

@@ -35,6 +35,7 @@ from nobubble.reporting.scaling import (
     PointKey,
     fit_laws,
     ladder_points,
+    origins,
     pair_runs,
     paper_checks,
     paper_params,
@@ -266,6 +267,13 @@ def paper_section(fits: Sequence[Fit], tokens: float | None) -> list[str]:
     return parts
 
 
+def origins_line(pairs: Sequence[Pair]) -> str:
+    """Which machines and code versions made the pairs (each pair is one of them)."""
+    found = origins(pairs)
+    listed = "; ".join(f"{n} on {machine}, {code}" for (machine, code), n in found.items())
+    return f"Each pair's two runs share a machine and a code version. Pairs: {listed}."
+
+
 def render(
     title: str, inputs: Sequence[str], ladder: Ladder, points: dict[PointKey, list[Pair]],
     fits: Sequence[Fit], figures: Sequence[str], paper_tokens: float | None,
@@ -275,6 +283,7 @@ def render(
         f"# {title}",
         f"{len(ladder.pairs)} delayed runs with their synchronous partners, in {len(points)} "
         f"ladder points, from: {', '.join(f'`{p}`' for p in inputs)}",
+        origins_line(ladder.pairs),
         "## The ladder: loss and gap",
         loss_table(points),
         QUANTITY_NOTE,
@@ -304,12 +313,15 @@ def render(
 
 def run_scaling(args: argparse.Namespace) -> int:
     if args.vs or args.reference or args.time_to_target:
-        raise ReportError("--scaling takes RUNS_DIR..., --out, --where, --title, --paper-tokens")
+        raise ReportError(
+            "--scaling takes RUNS_DIR..., --out, --where, --title, --paper-tokens, "
+            "--allow-mixed-references"
+        )
     filters = [parse_filter(text) for text in args.where]
     runs, warnings = discover([Path(p) for p in args.runs])
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    ladder = pair_runs([run for run in runs if matches(run, filters)])
+    ladder = pair_runs([run for run in runs if matches(run, filters)], args.allow_mixed_references)
     for line in ladder.unpaired:
         print(f"warning: unpaired: {line}", file=sys.stderr)
     if not ladder.pairs:
