@@ -61,8 +61,24 @@ def check_compilable(device: torch.device) -> None:
         ) from None
 
 
+def compute_dtype(dtype: str, device: torch.device) -> str:
+    """What the ``dtype`` setting means on ``device``: ``auto`` is bfloat16 on CUDA and float32
+    elsewhere (a CPU run stays as it was before ``auto`` was the default)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     """The context a stage's forward runs in: bfloat16 autocast for its matmuls, or nothing."""
-    if dtype == "bfloat16":
+    if compute_dtype(dtype, device) == "bfloat16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def precision(cfg: TrainConfig, device: torch.device) -> str:
+    """The precision a run computes in on ``device``, in words (a CUDA run's closing line)."""
+    words = "bfloat16 autocast" if compute_dtype(cfg.dtype, device) == "bfloat16" else "float32"
+    if device.type == "cuda":
+        words += ", TF32 float32 matmuls" if cfg.tf32 else ", float32 matmuls without TF32"
+    return words

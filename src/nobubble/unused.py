@@ -197,6 +197,11 @@ READ_WHEN: dict[str, ReadWhen] = {
         lambda cfg, _: cfg.out is None,
         lambda cfg, _: f"out={cfg.out}",
     ),
+    "tf32": ReadWhen(
+        "the run may train on a GPU (device is cuda or auto): the CPU has no TF32",
+        lambda cfg, _: cfg.device != "cpu",
+        lambda cfg, _: f"device={cfg.device}",
+    ),
     "staleness_every": _STALENESS,
     "applied_error_every": _ONE_PROCESS,
     "wandb_project": _WANDB,

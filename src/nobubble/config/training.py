@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from nobubble.config.fields import FREE, NON_NEGATIVE, POSITIVE, Range, setting
 
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")  # auto: nobubble.stage_options.compute_dtype
 MAX_THREADS = 1024  # threads=: more than any machine's cores (the OS would refuse the threads)
 
 
@@ -23,7 +23,17 @@ class TrainingSettings:
     )
     eval_batches: int = setting(8, "validation batches per evaluation", POSITIVE, resume=FREE)
     device: str = setting("auto", "where to train", choices=DEVICES, resume=FREE)
-    dtype: str = setting("float32", "float32, or bfloat16 (autocast for matmuls)", choices=DTYPES)
+    dtype: str = setting(
+        "auto",
+        "float32, or bfloat16 (autocast for matmuls); auto: bfloat16 on CUDA, float32 elsewhere",
+        choices=DTYPES,
+        saved_default="float32",
+    )
+    tf32: bool = setting(
+        True,
+        "CUDA: float32 matmuls and convolutions in TensorFloat-32 (the CPU has none)",
+        resume=FREE,
+    )
     threads: int = setting(  # each is an OS thread, made at the first parallel operation
         0,
         "torch CPU threads; 0 keeps torch's default",

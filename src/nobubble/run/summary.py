@@ -19,6 +19,7 @@ from nobubble.resume import resume_command
 from nobubble.run.errors import NonFiniteError
 from nobubble.run.steplog import StepLogger
 from nobubble.runfolder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder, RunWriteError
+from nobubble.stage_options import precision
 
 
 def why_stopped(error: BaseException) -> tuple[str, str]:
@@ -103,6 +104,8 @@ def run_summary(
             summary["last_eval"] = {"step": step, "val_loss": val_loss, "val_bpb": val_bpb}
     if usage.peak_tflops is not None:
         summary |= {"peak_tflops": usage.peak_tflops, "mfu": usage.mfu(rate)}
+    if engine.device.type == "cuda":  # what dtype=auto and tf32 made of it
+        summary["precision"] = precision(log.cfg, engine.device)
     if log.cfg.optim == "muon":  # what muon_ns_dtype resolved to (auto: by the device type)
         resolved = ns_dtype(log.cfg.muon_ns_dtype, engine.device)
         summary["muon_ns_dtype"] = str(resolved).removeprefix("torch.")
@@ -120,6 +123,8 @@ def summary_line(summary: dict, run_dir: Path, processes: int, mc: ModelConfig) 
         flops = f"MFU {summary['mfu']:.1%}"
     else:
         flops = f"{summary['model_tflops']:.3g} model TFLOP/s (no MFU: {summary['peak_source']})"
+    if "precision" in summary:
+        flops += f" in {summary['precision']}"
     folder = shlex.quote(str(run_dir))
     export = "" if unexportable(mc) else f" | export: nobubble export {folder} OUT --format hf"
     return (
