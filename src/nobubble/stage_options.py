@@ -1,5 +1,6 @@
-"""The options of a stage module: activation checkpointing, torch.compile, the MoE loss share,
-and the dtype its matmuls run in (:func:`autocast`).
+"""The options of a stage module: activation checkpointing, torch.compile (and, in a pipeline,
+compiling before the first action: :func:`compile_ahead`), the MoE loss share, and the dtype its
+matmuls run in (:func:`autocast`; ``dtype=auto``: :func:`compute_dtype`).
 
 Both backends build their modules (the one-process engine's whole model, a pipeline rank's
 stage) and
@@ -10,11 +11,13 @@ checkpointing").
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 
 import torch
+from torch.func import functional_call
 
 from nobubble.config import ConfigError, TrainConfig
-from nobubble.model.layers import Stage
+from nobubble.model.layers import Stage, lm_loss
 
 
 def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -> None:
@@ -34,6 +37,62 @@ def apply_stage_options(module: Stage, cfg: TrainConfig, device: torch.device) -
     if cfg.compile:
         check_compilable(device)
         module.compile()
+
+
+def compile_ahead(
+    modules: Iterable[Stage],
+    cfg: TrainConfig,
+    device: torch.device,
+    hidden_shape: tuple[int, int, int],
+    received: torch.dtype,
+    barrier: Callable[[], None],
+) -> None:
+    """With ``compile=true``, compile a pipeline process's stage modules before its first
+    action: a :func:`dry_run` of each, then ``barrier`` (every rank, under ``group_timeout_s``).
+    Compiling takes minutes on a large stage, and a peer waiting for a stage's first message
+    would otherwise count it against ``p2p_timeout_s``. ``hidden_shape``: a microbatch's
+    activation; ``received``: the dtype activations and gradients arrive in."""
+    if not cfg.compile:
+        return
+    for module in modules:
+        dry_run(module, cfg, device, hidden_shape, received)
+    barrier()
+
+
+def dry_run(
+    module: Stage,
+    cfg: TrainConfig,
+    device: torch.device,
+    hidden_shape: tuple[int, int, int],
+    received: torch.dtype,
+) -> None:
+    """One training forward and backward and one evaluation forward of ``module`` on a microbatch
+    of zeros, each called as the pipeline calls it, so that the graphs torch.compile makes and
+    their guards are those of the run: training through ``functional_call`` with plain leaf
+    tensors, as a weight version is (:mod:`nobubble.versions`; here views of the parameters,
+    whose gradients land on the views), the token rows a slice of a longer row, a later stage's
+    input a leaf that requires grad; the evaluation with the module's own parameters, without
+    autograd. It leaves nothing behind: the buffers (MoE routing sums) are put back and the RNG
+    streams forked; no gradient, optimizer, data or weight is touched."""
+    rows, length, _ = hidden_shape
+    tokens = torch.zeros(rows, length + 1, dtype=torch.long, device=device)
+    x = tokens[:, :-1] if module.spec.has_embed else None
+    weights = {n: p.detach().requires_grad_(p.requires_grad) for n, p in module.named_parameters()}
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if x is None:
+            x = torch.zeros(hidden_shape, dtype=received, device=device, requires_grad=True)
+        with autocast(device, cfg.dtype):
+            out = functional_call(module, weights, (x,))
+        if module.spec.has_head:
+            (lm_loss(out, tokens[:, 1:]) / cfg.microbatches).backward()
+        else:
+            out.backward(torch.zeros(hidden_shape, dtype=received, device=device))
+        with torch.no_grad(), autocast(device, cfg.dtype):
+            module(x.detach())
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            buffer.copy_(buffers[name])
 
 
 def check_compilable(device: torch.device) -> None:
