@@ -67,7 +67,8 @@ def test_the_plan_the_script_reads(tmp_path, capsys):
     assert main(["plan", "--gpus", "1", "--out", str(tmp_path / "check")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(plan(1))
-    name, processes, gpus, reference, *settings = lines[4].split(" ")
+    assert lines[0].startswith("smoke-1f1b-p2-gloo 2 1 - preset=tiny ")  # the smoke test first
+    name, processes, gpus, reference, *settings = lines[5].split(" ")
     assert (name, processes, gpus, reference) == ("gpipe-p2-gloo", "2", "1", "one-process-sync")
     assert settings[0] == "preset=smollm2-360m" and settings[-2:] == [
         "dist_backend=gloo",
@@ -156,7 +157,9 @@ def test_the_table_and_its_json_from_run_folders(tmp_path, capsys):
     assert main(["table", str(out)]) == 1  # a row differs, one failed
     printed = capsys.readouterr().out
     rows = {row["run"]: row for row in json.loads((out / "table.json").read_text())["rows"]}
-    assert rows.keys() == {run.name for run in plan(1)}
+    assert rows.keys() == {run.name for run in plan(1)} | {s.name for s in gpu_check.skipped(1)}
+    assert rows["1f1b-p8-nccl"]["parity"].startswith("skipped: needs 8 GPUs")
+    assert not rows["1f1b-p8-nccl"]["failed"]
     assert rows["one-process-sync"]["parity"] == "reference"
     assert not rows["one-process-sync"]["failed"]
     assert rows["one-process-pipedream"]["parity"] == "not run"  # no folder: out of time

@@ -14,7 +14,18 @@ computes (delay 1 on every stage); pipedream (per-stage delays, untied as it mus
 one-process pipedream on the same stages computes. The 2bw reference runs twice: whether a GPU
 repeats a run bit for bit (its kernels may not be deterministic) sets what a row may differ by.
 
+Before the rows, a smoke test on a tiny model (every GPU a stage, one 1F1B step on NCCL: every
+stage edge connected by the warm-up, then used) says in seconds whether NCCL's point-to-point
+works at all. Each run has a timeout of its own (:data:`TIMEOUTS`); a run that passes it has the
+Python stacks of every process dumped into its log before it is killed (:func:`run_row`), so a
+hang says where each rank waited. One row measures throughput over enough steps to mean
+something (:data:`THROUGHPUT`), with MFU beside it; one row trains a step with
+``torch.cuda.set_sync_debug_mode("warn")`` inside every action and reports each synchronization
+by action (:mod:`nobubble.gpu_check` ``audit``). Rows that need more GPUs than the machine has
+are listed as skipped, with why.
+
     python -m nobubble.gpu_check plan --gpus N --out OUT   # OUT/plan.json; a run a line
+    python -m nobubble.gpu_check row OUT NAME              # run NAME, within its timeout
     python -m nobubble.gpu_check compare OUT NAME          # OUT/parity/NAME.json
     python -m nobubble.gpu_check table OUT                 # the table, OUT/table.json
 """
@@ -24,20 +35,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import resource
+import signal
+import subprocess
 import sys
-from collections.abc import Sequence
+import time
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nobubble import cli
 from nobubble.checkpoint.files import checkpoint_folders, newest_weights
+from nobubble.children import POLL_S, identity, shell_status, stopping
 from nobubble.config import ConfigError
 from nobubble.config.flags import OneLineParser, whole
 from nobubble.destinations import check_output_file, check_output_folder, make_output_folder
 from nobubble.files import damaged, read_json_lines, read_json_object, write_json_atomic
+from nobubble.pipeline.runtime import _Segment
 from nobubble.runfolder import FINISHED, read_summary, stop_of
+from nobubble.schedules import Action
 
 # the settings of every run (a row's own come after): the model and where it runs, then how
 # long and how it trains (without clipping: see the module's docstring)
@@ -63,14 +84,25 @@ CLOSE_RTOL = 1e-2  # a row expected close: another summation order, compiled ker
 NOISE_FACTOR = 10.0  # a row expected bitwise, on a GPU that does not repeat runs bitwise
 
 
-FAILED = ("failed", "DIFFERS")  # the verdicts that fail the check ("not run": out of time)
+# the verdicts that fail the check ("not run": out of time)
+FAILED = ("failed", "DIFFERS", "timed out", "SYNCS")
+
+# what a run without a reference is for, and the table's word for it once it finished
+REFERENCE, SMOKE, THROUGHPUT, AUDIT = "reference", "smoke", "throughput", "audit"
+FINISHED_AS = {REFERENCE: "reference", SMOKE: "connected", THROUGHPUT: "measured"}
+
+# each run's timeout (s), by what it is: a run that passes it is a hang, its stacks dumped
+TIMEOUTS = {SMOKE: 60.0, REFERENCE: 180.0, "row": 180.0, "compiled": 420.0, THROUGHPUT: 300.0}
+TIMEOUTS[AUDIT] = TIMEOUTS["row"]
 
 
 @dataclass(frozen=True)
 class Run:
-    """One run of the check: ``settings`` come after :data:`MODEL`; ``processes`` is torchrun's
-    ``--nproc-per-node`` (0: one process, no torchrun) on ``gpus`` GPUs; ``reference`` names
-    the one-process run it is compared with (None: it is one), ``expect`` how closely."""
+    """One run of the check: ``settings`` come after ``base`` (:data:`MODEL` and
+    :data:`TRAINING` unless said); ``processes`` is torchrun's ``--nproc-per-node`` (0: one
+    process, no torchrun) on ``gpus`` GPUs; ``reference`` names the one-process run it is
+    compared with (None: it is one, or a run of another ``kind``), ``expect`` how closely;
+    ``timeout_s``: how long it may take before it counts as a hang."""
 
     name: str
     settings: tuple[str, ...]
@@ -79,6 +111,9 @@ class Run:
     reference: str | None = None
     expect: str = BITWISE
     transport: str = "one process"
+    kind: str = REFERENCE
+    timeout_s: float = TIMEOUTS[REFERENCE]
+    base: tuple[str, ...] = MODEL + TRAINING
 
     @property
     def schedule(self) -> str:
@@ -91,7 +126,15 @@ class Run:
     def line(self) -> str:
         """How the script reads it: name, processes, GPUs, reference (- for none), settings."""
         head = [self.name, str(self.processes), str(self.gpus), self.reference or "-"]
-        return " ".join([*head, *MODEL, *TRAINING, *self.settings])
+        return " ".join([*head, *self.base, *self.settings])
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A run this machine cannot do, and why."""
+
+    name: str
+    why: str
 
 
 REFERENCES = {
@@ -108,7 +151,19 @@ REPEAT = dataclasses.replace(
     name="one-process-2bw-again",
     reference=REFERENCES["2bw"].name,
     expect=REPEATS,
+    kind="row",
 )
+# the smoke test: a tiny model, one 1F1B step, every GPU a stage (the warm-up connects every
+# edge; the step sends over each)
+SMOKE_BASE = ("preset=tiny", "seq_len=64", "batch_size=8", "device=cuda", "p2p_timeout_s=30")
+SMOKE_BASE += ("steps=1", "eval_every=0", "eval_batches=1", "checkpoint_every=0")
+# throughput: a ~135M-parameter model at a realistic sequence length, long enough that the
+# first steps (allocations, autotuning) weigh little in tokens/s
+THROUGHPUT_BASE = ("preset=smollm2-135m", "seq_len=1024", "batch_size=32", "device=cuda")
+THROUGHPUT_BASE += ("p2p_timeout_s=120", "steps=40", "eval_every=0", "eval_batches=1")
+THROUGHPUT_BASE += ("optim=adamw", "lr=3e-4", "warmup_steps=5", "checkpoint_every=0")
+# the audit: one step traced (the second: the first allocates, connects and compiles)
+AUDIT_STEP = 1
 
 
 def semantics(schedule: str) -> str:
@@ -131,8 +186,11 @@ def row(
     settings += (f"dp={dp}",) if dp > 1 else ()
     settings += ("tie_embeddings=false",) if schedule == "pipedream" else ()
     how, words, suffix = TRANSPORTS[transport]
-    name = f"{schedule}-p{stages}" + (f"-dp{dp}" if dp > 1 else "") + f"-{suffix}"
-    name += "-compiled" if "compile=true" in extra else ""
+    zero = [s.removeprefix("zero=") for s in extra if s.startswith("zero=")]
+    name = f"{schedule}-p{stages}" + (f"-dp{dp}" if dp > 1 else "")
+    name += (f"-zero{zero[0]}" if zero else "") + f"-{suffix}"
+    compiled = "compile=true" in extra
+    name += "-compiled" if compiled else ""
     processes = stages * dp
     return Run(
         name,
@@ -142,25 +200,100 @@ def row(
         reference=REFERENCES[semantics(schedule)].name,
         expect=expect,
         transport=words,
+        kind="row",
+        timeout_s=TIMEOUTS["compiled" if compiled else "row"],
     )
 
 
+def smoke(gpus: int) -> Run:
+    """Every GPU a stage of a tiny model for one 1F1B step (one GPU: two processes share it
+    under the NCCL emulator)."""
+    stages, transport = (min(gpus, 8), "nccl") if gpus >= 2 else (2, "emulated")
+    how, words, suffix = TRANSPORTS[transport]
+    settings = ("schedule=1f1b", f"stages={stages}", f"microbatches={2 * stages}", *how)
+    gpus_used = stages if transport == "nccl" else 1
+    name = f"smoke-1f1b-p{stages}-{suffix}"
+    return Run(
+        name, settings, stages, gpus_used, None, BITWISE, words, SMOKE, TIMEOUTS[SMOKE], SMOKE_BASE
+    )
+
+
+def throughput(gpus: int) -> Run:
+    """1F1B on two GPUs over NCCL (one GPU: one process)."""
+    if gpus >= 2:
+        how, words, _ = TRANSPORTS["nccl"]
+        settings = ("schedule=1f1b", "stages=2", "microbatches=8", *how)
+        return Run(
+            "throughput-1f1b-p2-nccl",
+            settings,
+            2,
+            2,
+            None,
+            BITWISE,
+            words,
+            THROUGHPUT,
+            TIMEOUTS[THROUGHPUT],
+            THROUGHPUT_BASE,
+        )
+    settings = ("schedule=1f1b", "stages=1", "microbatches=8")
+    return Run(
+        "throughput-one-process",
+        settings,
+        0,
+        1,
+        None,
+        BITWISE,
+        "one process",
+        THROUGHPUT,
+        TIMEOUTS[THROUGHPUT],
+        THROUGHPUT_BASE,
+    )
+
+
+def audit(gpus: int) -> Run:
+    """1F1B on two stages with the main transport; its processes run under :func:`audit_main`."""
+    transport = "nccl" if gpus >= 2 else "emulated"
+    base = row("1f1b", 2, transport)
+    return dataclasses.replace(
+        base, name=f"sync-audit-{base.name}", reference=None, kind=AUDIT, timeout_s=TIMEOUTS[AUDIT]
+    )
+
+
+def wanted(gpus: int) -> list[tuple[Run, int]]:
+    """The rows that a GPU each on NCCL, and so this many GPUs, makes possible."""
+    main = "nccl"
+    return [
+        (row("1f1b", 4, main), 4),
+        (row("2bw", 2, main, dp=2, expect=CLOSE), 4),
+        *[(row("1f1b", 2, main, dp=2, extra=(f"zero={z}",), expect=CLOSE), 4) for z in (1, 2)],
+        (row("2bw", 4, main, dp=2, expect=CLOSE), 8),
+        (row("1f1b", 8, main), 8),
+    ]
+
+
+def skipped(gpus: int) -> list[Skipped]:
+    """The rows this machine cannot run (too few GPUs), each with why."""
+    return [
+        Skipped(run.name, f"needs {need} GPUs, a GPU per process on NCCL; this machine has {gpus}")
+        for run, need in wanted(gpus)
+        if need > gpus
+    ]
+
+
 def plan(gpus: int) -> list[Run]:
-    """The runs for ``gpus`` GPUs, references first (the script runs them in this order and
-    skips what its time budget no longer allows)."""
+    """The runs for ``gpus`` GPUs: the smoke test, the references, the rows (the script runs
+    them in this order and skips what its time budget no longer allows)."""
     if gpus < 1:
         return []
     main = "nccl" if gpus >= 2 else "emulated"
     rows = [row(schedule, 2, main) for schedule in SCHEDULES]
     # the other ways to share one GPU, once: plain gloo; with NCCL there, NCCL's emulation
     rows.append(row("2bw", 2, "gloo" if main == "emulated" else "emulated"))
-    if gpus >= 4:
-        rows += [row("1f1b", 4, main), row("2bw", 2, main, dp=2, expect=CLOSE)]
-    if gpus >= 8:
-        rows.append(row("2bw", 4, main, dp=2, expect=CLOSE))
+    rows += [run for run, need in wanted(gpus) if need <= gpus]
+    rows += [audit(gpus), throughput(gpus)]
     compiled = ("compile=true", "activation_checkpointing=true")
     rows.append(row("2bw", 2, main, extra=compiled, expect=CLOSE))
-    return [*REFERENCES.values(), REPEAT, *rows]
+    return [smoke(gpus), *REFERENCES.values(), REPEAT, *rows]
 
 
 # -- parity ------------------------------------------------------------------------------------
@@ -244,12 +377,7 @@ def verdict(gaps: dict[str, Any] | None, expect: str, noise: float | None) -> st
 def compare(out: Path, name: str) -> dict[str, Any]:
     """Compare run ``name`` of ``out``'s plan with its reference; write it into
     ``out/parity/NAME.json`` and return it."""
-    runs = planned(out)
-    if name not in runs:
-        raise ConfigError(
-            f"{name} is not a run of {out / 'plan.json'}; give one of {', '.join(runs)}"
-        )
-    run = runs[name]
+    run = planned_run(out, name)
     check_output_folder(out / "parity", "OUT")
     mine, theirs = outcome(out / "runs" / name), outcome(out / "runs" / run.reference)
     gaps = parity(mine, theirs) if mine and theirs else None
@@ -266,22 +394,46 @@ def compare(out: Path, name: str) -> dict[str, Any]:
 # -- the table ---------------------------------------------------------------------------------
 
 
-def planned(out: Path) -> dict[str, Run]:
-    """The plan written into ``out`` (``plan --out``), by name."""
+def planned(out: Path) -> tuple[dict[str, Run], list[Skipped]]:
+    """The plan written into ``out`` (``plan --out``): its runs by name, and what it skipped."""
     path = out / "plan.json"
     fix = f"write it with `python -m nobubble.gpu_check plan --gpus N --out {out}`"
     raw = read_json_object(path, fix)
     try:
-        runs = [Run(**{**r, "settings": tuple(r["settings"])}) for r in raw["runs"]]
+        runs = [
+            Run(**{**r, "settings": tuple(r["settings"]), "base": tuple(r["base"])})
+            for r in raw["runs"]
+        ]
+        left_out = [Skipped(**r) for r in raw.get("skipped", [])]
     except (KeyError, TypeError) as exc:
         raise damaged(path, f"is damaged ({type(exc).__name__}: {exc})", fix) from None
-    return {run.name: run for run in runs}
+    return {run.name: run for run in runs}, left_out
+
+
+def planned_run(out: Path, name: str) -> Run:
+    """Run ``name`` of ``out``'s plan."""
+    runs, _ = planned(out)
+    if name not in runs:
+        raise ConfigError(
+            f"{name} is not a run of {out / 'plan.json'}; give one of {', '.join(runs)}"
+        )
+    return runs[name]
+
+
+def write_plan(out: Path, gpus: int, runs: list[Run], left_out: list[Skipped]) -> None:
+    """``out/plan.json``: the runs, and those this machine cannot do."""
+    payload = {
+        "gpus": gpus,
+        "runs": [dataclasses.asdict(run) for run in runs],
+        "skipped": [dataclasses.asdict(s) for s in left_out],
+    }
+    write_json_atomic(out / "plan.json", payload)
 
 
 def table_rows(out: Path) -> list[dict[str, Any]]:
-    """A row per planned run: its parity, tokens/s, MFU (per GPU it used) and peak memory
-    (the largest of its processes')."""
-    runs = planned(out)
+    """A row per planned run: its parity (or what else it is for), tokens/s, MFU (per GPU it
+    used) and peak memory (the largest of its processes'); then a row per skipped run."""
+    runs, left_out = planned(out)
     parities = {
         name: json.loads((out / "parity" / f"{name}.json").read_text())
         for name in runs
@@ -290,15 +442,8 @@ def table_rows(out: Path) -> list[dict[str, Any]]:
     noise = parities.get(REPEAT.name, {}).get("max_loss_rel_gap")
     rows = []
     for run in runs.values():
-        folder = out / "runs" / run.name
-        summary = finished(folder)
+        summary = finished(out / "runs" / run.name)
         gaps = parities.get(run.name)
-        if not folder.is_dir():  # the script's time ran out first
-            status = "not run"
-        elif run.reference is None:
-            status = "reference" if summary else "failed"
-        else:
-            status = verdict(None if gaps is None or "failed" in gaps else gaps, run.expect, noise)
         rows.append(
             {
                 "run": run.name,
@@ -309,14 +454,34 @@ def table_rows(out: Path) -> list[dict[str, Any]]:
                 "gpus": run.gpus,
                 "reference": run.reference,
                 "expect": run.expect if run.reference else None,
-                "parity": status,
-                "failed": status in FAILED,
+                "parity": status(out, run, summary, gaps, noise),
                 "max_loss_rel_gap": gaps.get("max_loss_rel_gap") if gaps else None,
                 "max_weight_gap": gaps.get("max_weight_gap") if gaps else None,
                 **figures(summary, run.gpus),
             }
         )
+    for skip in left_out:
+        rows.append({"run": skip.name, "parity": f"skipped: {skip.why}", "reference": None})
+    for r in rows:
+        r["failed"] = r["parity"] in FAILED
     return rows
+
+
+def status(
+    out: Path, run: Run, summary: dict[str, Any] | None, gaps: dict | None, noise: float | None
+) -> str:
+    """What became of ``run``: not run (the script's time ran out first), timed out (its
+    stacks are in its log), its audit's verdict, its parity, or what it is for
+    (:data:`FINISHED_AS`) once it finished."""
+    if (out / "timeouts" / f"{run.name}.json").is_file():
+        return "timed out"
+    if not (out / "runs" / run.name).is_dir():
+        return "not run"
+    if run.kind == AUDIT:
+        return audit_verdict(out / "audit") if summary else "failed"
+    if run.reference is None:
+        return FINISHED_AS[run.kind] if summary else "failed"
+    return verdict(None if gaps is None or "failed" in gaps else gaps, run.expect, noise)
 
 
 def figures(summary: dict[str, Any] | None, gpus: int) -> dict[str, float | None]:
@@ -346,12 +511,175 @@ def render(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         against = f"{r['parity']} (vs {r['reference']})" if r["reference"] else r["parity"]
+        if r["parity"].startswith("skipped"):
+            lines.append(f"| {r['run']} | - | - | {against} | - | - | - | - |")
+            continue
         lines.append(
             f"| {r['run']} | {r['transport']} | {r['gpus']} | {against} | "
             f"{number(r['max_loss_rel_gap'], '.1e')} | {number(r['tokens_per_s'], ',.0f')} | "
             f"{number(r['mfu'], '.1%')} | {number(r['peak_mem_mb'], ',.0f')} |"
         )
     return "\n".join(lines)
+
+
+# -- a run within its timeout -------------------------------------------------------------------
+
+STACKS_WAIT_S = 10.0  # how long a process gets to write its stacks and exit
+
+
+def command(run: Run, out: Path, python: str = sys.executable) -> list[str]:
+    """How ``run`` is started: ``nobubble train`` (under :func:`audit_main` for the audit), in
+    one process or under torchrun."""
+    train = ["train", "--no-progress", "--overwrite", "--out", str(out / "runs" / run.name)]
+    entry = ["-m", "nobubble", *train]
+    if run.kind == AUDIT:
+        entry = ["-m", "nobubble.gpu_check", "audit", str(out / "audit"), "--", *train]
+    launcher = [python]
+    if run.processes:
+        launcher += ["-m", "torch.distributed.run", "--standalone"]
+        launcher.append(f"--nproc-per-node={run.processes}")
+    return [*launcher, *entry, *run.base, *run.settings]
+
+
+def row_environment(run: Run, environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` with the run's GPUs (the first ``run.gpus`` of those visible) and Python's
+    fault handler on: SIGABRT then writes every thread's stack before the process dies."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(run.gpus)))
+    first = ",".join(visible.split(",")[: run.gpus])
+    return {**environ, "CUDA_VISIBLE_DEVICES": first, "PYTHONFAULTHANDLER": "1"}
+
+
+def run_row(out: Path, run: Run) -> int:
+    """Run ``run`` (its output: this process's); past its timeout, dump the stacks of its
+    processes (:func:`dump_stacks`), record it in ``out/timeouts/NAME.json``, stop what is left
+    and return 124. A stop signal to this process stops the run as :mod:`nobubble.children`
+    says."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    with stopping(f"gpu_check row {run.name}", "none of its processes is left") as children:
+        process = children.start(command(run, out), env=row_environment(run, dict(os.environ)))
+        try:
+            return shell_status(children.wait(process, run.timeout_s))
+        except subprocess.TimeoutExpired:
+            say(f"{run.name}: no end after its timeout of {run.timeout_s:g} s; its stacks follow")
+            dumped = dump_stacks(process.pid, torchrun=run.processes > 0)
+    (out / "timeouts").mkdir(exist_ok=True)
+    record = {"run": run.name, "timeout_s": run.timeout_s, "stacks_of": dumped}
+    write_json_atomic(out / "timeouts" / f"{run.name}.json", record)
+    return 124
+
+
+def say(line: str) -> None:
+    print(f"nobubble.gpu_check: {line}", file=sys.stderr, flush=True)
+
+
+def dump_stacks(root: int, torchrun: bool) -> list[str]:
+    """Make each process of a run write its Python stacks (SIGABRT, with the fault handler on),
+    one after the other so that their stacks do not mix, and return who they were. Under
+    torchrun the workers are the agent's children; the agent is stopped meanwhile (SIGSTOP),
+    or it would end the other workers when the first one dies (torchrun passes on SIGTERM,
+    SIGINT, SIGHUP and SIGQUIT, and no signal that dumps stacks)."""
+    workers = children_of(root) if torchrun else [root]
+    if torchrun:
+        os.kill(root, signal.SIGSTOP)
+    dumped = []
+    try:
+        for pid in workers:
+            who = f"{rank_of(pid)} (pid {pid})"
+            say(f"the Python stacks of {who}:")
+            os.kill(pid, signal.SIGABRT)
+            gone(pid, STACKS_WAIT_S)
+            dumped.append(who)
+    finally:
+        if torchrun:
+            os.kill(root, signal.SIGCONT)
+    return dumped
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes ``pid`` started (none where /proc does not say)."""
+    try:
+        return [
+            int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        ]
+    except OSError:
+        return []
+
+
+def rank_of(pid: int) -> str:
+    """``rank R`` of a torchrun worker (its environment says), else ``the process``."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return "the process"
+    ranks = [entry[5:].decode() for entry in environ if entry.startswith(b"RANK=")]
+    return f"rank {ranks[0]}" if ranks else "the process"
+
+
+def gone(pid: int, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for ``pid`` to exit."""
+    deadline = time.monotonic() + wait_s
+    while identity(pid) is not None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+
+
+# -- the audit of synchronizations ---------------------------------------------------------------
+
+SYNC_WARNING = "called a synchronizing CUDA operation"  # set_sync_debug_mode("warn")'s words
+
+
+def audited(
+    execute: Callable[[Any, Action], None],
+    found: list[dict[str, Any]],
+    debug_mode: Callable[[str], None],
+) -> Callable[[Any, Action], None]:
+    """``execute`` (the runtime's run of one action) that, for the actions of step
+    :data:`AUDIT_STEP`, turns ``debug_mode`` to warn and adds each synchronization warned of to
+    ``found``, with the action and the line that synchronized."""
+
+    def run(segment: Any, action: Action) -> None:
+        if action.step != AUDIT_STEP:
+            execute(segment, action)
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            debug_mode("warn")
+            try:
+                execute(segment, action)
+            finally:
+                debug_mode("default")
+        found.append({"action": str(action), "syncs": []})
+        for warning in caught:
+            if SYNC_WARNING in str(warning.message):
+                where = f"{warning.filename}:{warning.lineno}"
+                found[-1]["syncs"].append(where)
+
+    return run
+
+
+def audit_main(folder: Path, train: list[str]) -> int:
+    """``nobubble train TRAIN`` with every action of step :data:`AUDIT_STEP` audited
+    (:func:`audited`); what this process found goes into ``folder/rank_R.json``."""
+    found: list[dict[str, Any]] = []
+    _Segment.execute = audited(_Segment.execute, found, torch.cuda.set_sync_debug_mode)
+    try:
+        return cli.main(train)
+    finally:
+        folder.mkdir(parents=True, exist_ok=True)
+        rank = os.environ.get("RANK", "0")
+        write_json_atomic(folder / f"rank_{rank}.json", {"rank": int(rank), "actions": found})
+
+
+def audit_verdict(folder: Path) -> str:
+    """``no sync in actions``; ``SYNCS`` (some action synchronized: ``folder``'s files say
+    which, where); ``failed`` (no process audited an action)."""
+    actions = [
+        action
+        for path in sorted(folder.glob("rank_*.json"))
+        for action in json.loads(path.read_text())["actions"]
+    ]
+    if not actions:
+        return "failed"
+    return "SYNCS" if any(action["syncs"] for action in actions) else "no sync in actions"
 
 
 # -- the commands ------------------------------------------------------------------------------
@@ -363,6 +691,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     planning = commands.add_parser("plan", help="the runs for N GPUs, a line each")
     planning.add_argument("--gpus", type=whole(), required=True, help="GPUs on this machine")
     planning.add_argument("--out", type=Path, required=True)
+    running = commands.add_parser("row", help="one run of the plan, within its timeout")
+    running.add_argument("out", type=Path)
+    running.add_argument("name")
+    auditing = commands.add_parser("audit", help="nobubble train, its step 1 audited for syncs")
+    auditing.add_argument("folder", type=Path)
+    auditing.add_argument("train", nargs=argparse.REMAINDER, metavar="-- train ARGS")
     comparing = commands.add_parser("compare", help="one run against its reference")
     comparing.add_argument("out", type=Path)
     comparing.add_argument("name")
@@ -379,11 +713,13 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "plan":
         make_output_folder(args.out, "--out")
         runs = plan(args.gpus)
-        listed = [dataclasses.asdict(run) for run in runs]
-        payload = {"gpus": args.gpus, "settings": [*MODEL, *TRAINING], "runs": listed}
-        write_json_atomic(args.out / "plan.json", payload)
+        write_plan(args.out, args.gpus, runs, skipped(args.gpus))
         print("\n".join(run.line() for run in runs))
         return 0
+    if args.command == "row":
+        return run_row(args.out, planned_run(args.out, args.name))
+    if args.command == "audit":
+        return audit_main(args.folder, args.train[1:] if args.train[:1] == ["--"] else args.train)
     if args.command == "compare":
         result = compare(args.out, args.name)
         print(json.dumps(result))
