@@ -17,20 +17,26 @@
 #   GPU_CHECK_OUT     the results folder (default gpu-check-<date>-<time> here)
 #   GPU_CHECK_BUDGET_S  seconds for the whole check (default 540): a step that would start with
 #                     less than a minute left is skipped and says so; each step's timeout is
-#                     what is left
+#                     what is left, and each run of the table has its own below that (a run
+#                     that passes it has every rank's Python stacks written into its log)
 #   GPU_CHECK_GPUS    use at most this many GPUs (default: all visible)
 #
 # The table's runs (python -m nobubble.gpu_check plan --gpus N prints them; docs/benchmarks.md,
 # "The GPU check"), by the number of GPUs N:
 #   N = 0  nothing: an error
+#   first, on any N: a smoke test (a tiny model, one 1F1B step, a stage on every GPU over NCCL;
+#          one GPU: two processes under the emulator), then the rows; among them one throughput
+#          row (smollm2-135m, seq 1024, 40 steps, MFU) and an audit of one step's actions under
+#          torch.cuda.set_sync_debug_mode("warn"); rows needing more GPUs are listed as skipped
 #   N = 1  every schedule (gpipe, 1f1b, zb-h1, zb-h2, interleaved-1f1b, 2bw, pipedream) on two
 #          processes that share the GPU over gloo with CUDA tensors, under the NCCL emulator
 #          (dist_backend=gloo emulate_nccl=true): every CUDA path of the pipeline but NCCL itself;
 #          2bw again over plain gloo, and with compile and activation checkpointing
 #   N >= 2 every schedule on NCCL, a GPU per process; 2bw once more sharing one GPU under the
 #          emulator, and compiled
-#   N >= 4 + 1f1b on four stages, 2bw on two stages x two replicas
-#   N >= 8 + 2bw on four stages x two replicas
+#   N >= 4 + 1f1b on four stages, 2bw on two stages x two replicas, 1f1b on two stages x two
+#          replicas with zero=1 and with zero=2
+#   N >= 8 + 2bw on four stages x two replicas, 1f1b on eight stages
 # and the one-process references they are compared with (the 2bw one twice: whether the GPU
 # repeats a run bit for bit). Each run's checkpoints are deleted once it is compared.
 # Then, as time allows: an MoE model in one process on cuda; with N >= 2 the NCCL parity tests
@@ -107,26 +113,16 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
 BENCH=("$PY" -m nobubble bench --device cuda --busy-retries 0 --repeats 1 --steps 30
     --warmup-steps 5 --preset small --seq-len 256 --batch-size 32)
 
-# -- the table: every schedule on SmolLM2-360M's shape (nobubble/gpu_check.py) -------------------
-# first_gpus N: the first N GPUs this script may use, as CUDA_VISIBLE_DEVICES takes them
-first_gpus() {
-    local all=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((VISIBLE - 1)))}
-    echo "$all" | cut -d, -f1-"$1"
-}
+# -- the table: the smoke test, then every schedule on SmolLM2-360M's shape (nobubble/gpu_check.py)
 "$PY" -m nobubble.gpu_check plan --gpus "$GPUS" --out "$OUT" >"$OUT/plan.txt" 2>>"$OUT/gpu_check.log" ||
     die "python -m nobubble.gpu_check plan failed (see $OUT/gpu_check.log)"
 mapfile -t PLANNED <"$OUT/plan.txt"
 for line in "${PLANNED[@]}"; do
-    # name, processes (0: one process), GPUs, the run it is compared with (- for none), settings
-    read -r name processes gpus reference rest <<<"$line"
-    read -ra settings <<<"$rest"
-    launch=("$PY" -m nobubble train)
-    if ((processes > 0)); then
-        launch=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$processes"
-            -m nobubble train)
-    fi
-    step "$name" env CUDA_VISIBLE_DEVICES="$(first_gpus "$gpus")" "${launch[@]}" --no-progress \
-        --overwrite --out "$OUT/runs/$name" "${settings[@]}"
+    # name, processes (0: one process), GPUs, the run it is compared with (- for none), settings;
+    # `row` starts it on its first GPUs, within its own timeout (past it: every rank's stacks
+    # into the step's log, then the run is stopped)
+    read -r name _ _ reference _ <<<"$line"
+    step "$name" "$PY" -m nobubble.gpu_check row "$OUT" "$name"
     if [ "$reference" != - ]; then
         "$PY" -m nobubble.gpu_check compare "$OUT" "$name" >>"$OUT/$name.log" 2>&1 ||
             log "$name: the comparison failed (see $OUT/$name.log)"
