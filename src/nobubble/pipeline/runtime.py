@@ -66,7 +66,7 @@ from nobubble.pipeline.updates import Updates
 from nobubble.pipeline.warmup import collective_connections, connect, edge_connections
 from nobubble.profiling import OFF, action_label, labelled
 from nobubble.schedules import Action, ActionKind, schedule_spec
-from nobubble.stage_options import autocast
+from nobubble.stage_options import autocast, compile_ahead
 from nobubble.stage_report import StageReport
 from nobubble.staleness import weight_drift
 
@@ -136,6 +136,14 @@ class PipelineEngine:
         self.train_peak_mb = 0.0
         # per (model stage, action kind): time spent running its actions, blocked time left out
         self.action_s: dict[tuple[int, ActionKind], float] = {}
+        compile_ahead(  # compile=true: every stage compiled before step 0, then a barrier
+            [held.module for held in self.held.values()],
+            cfg,
+            device,
+            self.hidden_shape,
+            torch.float32,  # what activations and gradients arrive in (post_receives)
+            self.barrier,
+        )
 
     def barrier(self) -> None:
         """Wait for every rank; one that exited (its connection closed) or is stuck is a
