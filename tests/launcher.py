@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 _PRELOAD = [
@@ -66,8 +66,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _process_main(argv: list[str], environ: dict[str, str], out: str, err: str) -> None:
-    """One process of a launch: ``nobubble ARGV`` with ``environ``, its output to two files."""
+def _process_main(
+    argv: list[str],
+    environ: dict[str, str],
+    out: str,
+    err: str,
+    prepare: Callable[[], None] | None = None,
+) -> None:
+    """One process of a launch: ``nobubble ARGV`` with ``environ``, its output to two files;
+    ``prepare``: called first (a test's instruments)."""
     os.environ.clear()
     os.environ.update(environ)
     for stream, path in ((sys.stdout, out), (sys.stderr, err)):
@@ -76,6 +83,8 @@ def _process_main(argv: list[str], environ: dict[str, str], out: str, err: str) 
         os.dup2(fd, stream.fileno())
         os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if prepare is not None:
+        prepare()
     sys.argv = ["nobubble", *argv]
     from nobubble.cli import main
 
@@ -87,10 +96,11 @@ def run_nobubble(
     processes: int = 0,
     timeout: float = 300,
     env: Mapping[str, str] | None = None,
+    prepare: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """``nobubble ARGV`` in one process (``processes=0``) or as ``processes`` ranks on this
     machine; like ``subprocess.run(..., capture_output=True, text=True)``, the ranks' output in
-    rank order."""
+    rank order. ``prepare``: a module-level function every process calls first."""
     context = _context()
     environ = dict(os.environ if env is None else env)
     ranks = max(processes, 1)
@@ -108,7 +118,8 @@ def run_nobubble(
         for rank in range(ranks):
             rank_env = environ | ({"RANK": str(rank), "LOCAL_RANK": str(rank)} if processes else {})
             proc = context.Process(
-                target=_process_main, args=(list(argv), rank_env, str(outs[rank]), str(errs[rank]))
+                target=_process_main,
+                args=(list(argv), rank_env, str(outs[rank]), str(errs[rank]), prepare),
             )
             proc.start()
             procs.append(proc)

@@ -9,6 +9,20 @@ import torch
 import torch.nn.functional as F
 
 
+def microbatch_sums(
+    logits: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor
+) -> torch.Tensor:
+    """A microbatch's terms of :class:`EvalSums` (loss, tokens, byte loss, bytes) as one float64
+    vector on the device: summed there, they can be read once per evaluation."""
+    losses = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    )
+    nbytes = token_bytes.to(targets.device)[targets.reshape(-1)]
+    terms = [losses.sum(), (losses * (nbytes > 0)).sum(), nbytes.sum()]
+    loss, byte_loss, total_bytes = (t.double() for t in terms)
+    return torch.stack([loss, loss.new_full((), targets.numel()), byte_loss, total_bytes])
+
+
 @dataclass
 class EvalSums:
     """Additive totals over validation tokens; combine, then :meth:`result`."""
@@ -19,14 +33,11 @@ class EvalSums:
     bytes: int = 0
 
     def add(self, logits: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor) -> None:
-        losses = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-        )
-        nbytes = token_bytes.to(targets.device)[targets.reshape(-1)]
-        self.loss += losses.sum().item()
-        self.tokens += targets.numel()
-        self.byte_loss += (losses * (nbytes > 0)).sum().item()
-        self.bytes += int(nbytes.sum().item())
+        loss, tokens, byte_loss, nbytes = microbatch_sums(logits, targets, token_bytes).tolist()
+        self.loss += loss
+        self.tokens += int(tokens)
+        self.byte_loss += byte_loss
+        self.bytes += int(nbytes)
 
     def as_list(self) -> list[float]:
         return [self.loss, float(self.tokens), self.byte_loss, float(self.bytes)]

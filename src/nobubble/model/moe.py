@@ -66,7 +66,7 @@ class RoutingTap(torch.autograd.Function):
         aux_grad = None
         if ctx.needs_input_grad[1]:
             scale = layer.aux_coef * layer.loss_scale
-            aux_grad = torch.tensor(scale, dtype=torch.float32, device=grad.device)
+            aux_grad = torch.full((), scale, dtype=torch.float32, device=grad.device)
         return grad, aux_grad, None, None
 
 
@@ -119,7 +119,8 @@ class MoE(nn.Module):
         with torch.no_grad():
             entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
             extra = [dropped.double(), entropy.double(), aux.double()]
-            counts = torch.tensor([1.0, n], dtype=torch.float64, device=flat.device)
+            counts = flat.new_full((2,), n, dtype=torch.float64)
+            counts[0] = 1.0  # fills on the device: no copy from the host
             stats = torch.cat([loads.double(), torch.stack(extra), counts])
         if self.aux_coef == 0:
             aux = aux.detach()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy
 import torch
 
 
@@ -25,4 +26,5 @@ def clip_grad_norm(
         total = torch.tensor(norm, dtype=torch.float32)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total)
+    # a given norm is returned as the float32 it clips by, without reading a tensor
+    return float(total) if norm is None else float(numpy.float32(norm))

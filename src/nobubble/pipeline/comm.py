@@ -25,6 +25,8 @@ from nobubble.pipeline.links import Links
 from nobubble.pipeline.transport import MismatchedMessages, Work, active
 from nobubble.profiling import label
 
+HOST = torch.device("cpu")  # where the control plane's messages are made and read
+
 
 class PeerFailure(RuntimeError):
     """A peer stage did not answer in ``p2p_timeout_s``, or its connection closed (it exited)."""
@@ -90,9 +92,7 @@ class Messenger:
     ) -> None:
         """Send ``tensor`` to model stage ``peer``; ``chunk``: which of the receiving process's
         stages it is for (the receiver's chunk, where it holds several)."""
-        tensor = tensor.detach().contiguous()
-        if self.links.on_cpu(channel):
-            tensor = tensor.cpu()
+        tensor = self._outgoing(tensor.detach().contiguous(), channel)
         rank = self.layout.rank_of(peer, replica)
         number = tag(channel, sequence, chunk, self.layout.chunks)
         group = self.links.group(channel, peer, self._replica(replica))
@@ -148,9 +148,7 @@ class Messenger:
         peer = self.layout.name(pending.peer, pending.replica)
         try:
             with label("wait", pending, "from", peer):
-                pending.work.wait(self.timeout)
-                if pending.buffer.is_cuda:  # make the wait cover the transfer, as on the CPU
-                    torch.cuda.current_stream().synchronize()
+                self._complete(pending.work, pending.buffer)
         except RuntimeError as exc:
             raise self._failure(
                 f"waiting for {pending.what} from {peer}",
@@ -160,6 +158,33 @@ class Messenger:
             ) from None
         finally:
             self.waited_s += time.perf_counter() - started
+        return self._delivered(pending)
+
+    def _complete(self, work: Work, tensor: torch.Tensor) -> None:
+        """Wait for a message (``tensor``: its data) to be sent or received.
+
+        A message in host memory (every one on gloo and under the emulator, the control plane's
+        on NCCL) is waited for by the CPU, up to ``p2p_timeout_s``: a peer that failed is found
+        here. One in device memory (NCCL) makes the current stream wait for the transfer and
+        lets the CPU go on at once: no CPU busy-wait (which NCCL's wait with a timeout is), no
+        stream drain. A hung peer is then found by the control plane, whose gloo messages every
+        step waits for (:mod:`~nobubble.pipeline.control`), and by the groups' own timeout
+        (``group_timeout_s``).
+        """
+        if tensor.is_cuda:
+            work.wait()
+        else:
+            work.wait(self.timeout)
+
+    def _outgoing(self, tensor: torch.Tensor, channel: Channel) -> torch.Tensor:
+        """What a send on ``channel`` posts: ``tensor``, in host memory where the link needs
+        it (gloo sends from host memory; on NCCL only the control plane's messages, built on the
+        CPU already)."""
+        return tensor.cpu() if self.links.on_cpu(channel) else tensor
+
+    @staticmethod
+    def _delivered(pending: PendingRecv) -> torch.Tensor:
+        """A received message on the device its receiver asked for."""
         return pending.buffer.to(pending.device)
 
     def _failure(self, doing: str, peer: str | None, waited: float, exc: Exception) -> PeerFailure:
@@ -205,8 +230,8 @@ class Messenger:
         started = time.perf_counter()
         try:
             with label("wait", len(sends), "sends") if labelled else contextlib.nullcontext():
-                for work, _ in sends:
-                    work.wait(self.timeout)
+                for work, tensor in sends:
+                    self._complete(work, tensor)
         except RuntimeError as exc:
             waited = time.perf_counter() - started
             doing = "waiting for a message it sent to be received"

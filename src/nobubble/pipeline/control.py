@@ -5,6 +5,9 @@ whether the step runs (a first stage is the first to touch any step, so nobody w
 that answer). If it does not, every rank drops the actions of that and later steps: what remains
 is exactly the schedule of the shorter run, cool-down included. A stop requested on another rank
 reaches the leader as that rank's vote.
+
+Votes and go-aheads are CPU tensors, read on the CPU: they travel over the control plane's gloo
+group (:class:`~nobubble.pipeline.links.Links`), so reading them never waits for a device.
 """
 
 from __future__ import annotations
@@ -15,17 +18,15 @@ import torch
 
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.channels import Channel
-from nobubble.pipeline.comm import Messenger, PendingRecv
+from nobubble.pipeline.comm import HOST, Messenger, PendingRecv
 
 
 class StepControl:
     """The go-ahead of every step of this process, over every segment of its run. ``delay``:
     how far (in steps, less one) the leader can run ahead of the last stage."""
 
-    def __init__(
-        self, layout: ParallelLayout, messenger: Messenger, device: torch.device, delay: int
-    ) -> None:
-        self.layout, self.messenger, self.device, self.delay = layout, messenger, device, delay
+    def __init__(self, layout: ParallelLayout, messenger: Messenger, delay: int) -> None:
+        self.layout, self.messenger, self.delay = layout, messenger, delay
         self.votes: dict[int, list[PendingRecv]] = {}  # leader: the other ranks' stop votes
         self.peer_stop = False  # leader: a rank asked to stop in the last steps of a segment
         self.others = [
@@ -45,12 +46,12 @@ class StepControl:
         """
         if self.layout.is_leader:
             return self._lead(step, should_stop)
-        vote = torch.tensor([1.0 if should_stop() else 0.0], device=self.device)
+        vote = torch.tensor([1.0 if should_stop() else 0.0])
         self.messenger.send(vote, 0, Channel.STOP_VOTE, step, replica=0)
         go = self.messenger.recv(
             (1,),
             torch.float32,
-            self.device,
+            HOST,
             0,
             Channel.CONTROL,
             step,
@@ -68,7 +69,7 @@ class StepControl:
             self.messenger.post_recv(
                 (1,),
                 torch.float32,
-                self.device,
+                HOST,
                 stage,
                 Channel.STOP_VOTE,
                 step,
@@ -77,7 +78,7 @@ class StepControl:
             )
             for stage, replica in self.others
         ]
-        flag = torch.tensor([1.0 if go else 0.0], device=self.device)
+        flag = torch.tensor([1.0 if go else 0.0])
         for stage, replica in self.others:
             self.messenger.send(flag, stage, Channel.CONTROL, step, replica=replica)
         return go

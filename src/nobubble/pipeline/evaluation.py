@@ -1,6 +1,7 @@
 """The pipelined evaluation: the validation batches forwarded through the stages at their newest
 weights, one microbatch at a time through each process's stages in order, and the totals
-gathered on the first stage of every replica."""
+gathered on the first stage of every replica. The totals are summed on the device and read once
+per evaluation: no microbatch waits for the device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from nobubble.config import TrainConfig
-from nobubble.evaluation import EvalSums
+from nobubble.evaluation import EvalSums, microbatch_sums
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.channels import Channel
 from nobubble.pipeline.comm import Messenger
@@ -40,7 +41,9 @@ class PipelinedEvaluation:
     def run(self, batches: Sequence[torch.Tensor], token_bytes: torch.Tensor | None) -> EvalSums:
         """The validation totals of ``batches`` on the first stage (elsewhere: what this process
         summed, if anything). Run without autograd (the engine's ``evaluate``)."""
-        sums = EvalSums()
+        sums: torch.Tensor | None = None  # the last stage's totals, on the device
+        if token_bytes is not None:
+            token_bytes = token_bytes.to(self.device)
         micro = [
             replica_rows(micro, self.layout)
             for batch in batches
@@ -51,7 +54,8 @@ class PipelinedEvaluation:
             for stage, held in self.held.items():
                 out = self._forward(held, micro[i][:, :-1] if held.first else None, i)
                 if held.last:
-                    sums.add(out, micro[i][:, 1:], token_bytes)
+                    terms = microbatch_sums(out, micro[i][:, 1:], token_bytes)
+                    sums = terms if sums is None else sums + terms
                 else:
                     chunk = self.layout.chunk_of(stage + 1)
                     sequence = self.sequence + i
@@ -59,9 +63,9 @@ class PipelinedEvaluation:
                         out.float(), stage + 1, Channel.EVAL_ACTIVATION, sequence, chunk=chunk
                     )
         self.sequence += count
-        sums = self._gather_to_first_stage(sums)
+        totals = self._gather_to_first_stage(sums)
         self.messenger.drain()
-        return sums
+        return EvalSums() if totals is None else EvalSums.from_list(totals.tolist())
 
     def _forward(self, held: HeldStage, x: torch.Tensor | None, i: int) -> torch.Tensor:
         """Stage ``held``'s output of microbatch ``i``: from its input ``x`` (the first stage's
@@ -80,20 +84,18 @@ class PipelinedEvaluation:
         with autocast(self.device, self.cfg.dtype):
             return held.module(x)
 
-    def _gather_to_first_stage(self, sums: EvalSums) -> EvalSums:
-        """The totals of every replica's share, on the first stage of every replica."""
+    def _gather_to_first_stage(self, sums: torch.Tensor | None) -> torch.Tensor | None:
+        """The totals of every replica's share (``sums``: this process's, where it holds the
+        last stage), on the first stage of every replica."""
         reduction = self.held[self.layout.stages[-1]].reduction
         if self.layout.is_last_stage and reduction:
-            totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
-            reduction.sum_now(totals, "the evaluation totals of the other replicas")
-            sums = EvalSums.from_list(totals.tolist())
+            reduction.sum_now(sums, "the evaluation totals of the other replicas")
         if self.layout.pp == 1:
             return sums
         if self.layout.is_last_stage:
-            totals = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.device)
-            self.messenger.send(totals, 0, Channel.EVAL_SUMS, self.sequence)
+            self.messenger.send(sums, 0, Channel.EVAL_SUMS, self.sequence)
         if self.layout.is_first_stage:
-            totals = self.messenger.recv(
+            return self.messenger.recv(
                 (4,),
                 torch.float64,
                 self.device,
@@ -102,5 +104,4 @@ class PipelinedEvaluation:
                 self.sequence,
                 "evaluation totals",
             )
-            return EvalSums.from_list(totals.tolist())
         return sums

@@ -122,17 +122,18 @@ class PipelineEngine:
             ]
             connect(self.messenger, connections, device)
         delay = max(held.trained.delay for held in self.held.values())
-        self.control = StepControl(layout, self.messenger, device, delay)
+        self.control = StepControl(layout, self.messenger, delay)
         self.micro_per_step = cfg.microbatches  # pipedream: 1, which the config enforces
-        self.stats = StepStatistics(layout, self.messenger, device, mc, specs, self.micro_per_step)
+        self.stats = StepStatistics(layout, self.messenger, mc, specs, self.micro_per_step)
         self.hidden_shape = (cfg.microbatch_size() // layout.dp, cfg.seq_len, mc.d_model)
         self.evaluation = PipelinedEvaluation(
             cfg, layout, self.messenger, device, self.held, self.hidden_shape, val_batches
         )
         self.step = 0
         self.train_wall_s = self.train_idle_s = 0.0
-        # the peak memory at the end of the latest training segment: a checkpoint saved after it
-        # (replica 0 gathers a sharded state whole) is not training's
+        # the peak memory of the training segments (on CUDA each one's own, from its start: an
+        # evaluation or a checkpoint between them, where replica 0 gathers a sharded state
+        # whole, is not training's)
         self.train_peak_mb = 0.0
         # per (model stage, action kind): time spent running its actions, blocked time left out
         self.action_s: dict[tuple[int, ActionKind], float] = {}
@@ -173,6 +174,8 @@ class PipelineEngine:
         """
         plan = Plan(self.cfg, self.layout, self.step, stop)
         run = _Segment(self, next_batch, on_step)
+        if self.device.type == "cuda":  # this segment's peak: no evaluation's, no checkpoint's
+            torch.cuda.reset_peak_memory_stats(self.device)
         started, waited = time.perf_counter(), self.messenger.waited_s
         at: Action | None = None  # the action running or about to
         try:
@@ -187,7 +190,7 @@ class PipelineEngine:
             raise
         self.train_wall_s += time.perf_counter() - started
         self.train_idle_s += self.messenger.waited_s - waited
-        self.train_peak_mb = peak_memory_mb(self.device)
+        self.train_peak_mb = max(self.train_peak_mb, peak_memory_mb(self.device))
 
     def _run(
         self, run: _Segment, plan: Plan, action: Action, should_stop: Callable[[], bool]
@@ -429,9 +432,10 @@ class _Segment:
     def microbatch(self, action: Action) -> torch.Tensor:
         """The token rows of this F's microbatch (first and last stage only)."""
         if action.step not in self.batches:
-            self.batches[action.step] = (
-                self.next_batch().to(self.e.device).chunk(self.e.micro_per_step)
-            )
+            batch = self.next_batch()
+            if self.e.device.type == "cuda":  # queued behind the compute, not waited for
+                batch = batch.pin_memory().to(self.e.device, non_blocking=True)
+            self.batches[action.step] = batch.chunk(self.e.micro_per_step)
         index = action.microbatch - action.step * self.e.micro_per_step
         rows = replica_rows(self.batches[action.step][index], self.e.layout)
         if index == self.e.micro_per_step - 1:
@@ -541,7 +545,7 @@ class _Segment:
         return held.apply_step(step, sums, norms)
 
     def report(
-        self, held: HeldStage, step: int, sums: torch.Tensor, outcome: tuple[float, bool, float]
+        self, held: HeldStage, step: int, sums: list[float], outcome: tuple[float, bool, float]
     ) -> None:
         """Once every stage of this process has updated, report the step's statistics to the
         first stage (:mod:`nobubble.pipeline.stats`)."""

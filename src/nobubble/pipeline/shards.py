@@ -13,7 +13,10 @@ alone. At a STEP the chain starts:
    sharding (:mod:`nobubble.pipeline.replicas`).
 2. **norm** (``zero=2``): the clip needs the norm of the whole averaged gradient: each replica's
    sum of squares, all-reduced (one number).
-3. **update**: this replica's parts are clipped by that norm and stepped
+3. **read**: the step's figures and the norms are copied to the host behind the work that
+   computes them (:class:`~nobubble.pipeline.host.HostCopy`): the chain moves on once the copy
+   has arrived, so moving it on between two actions never waits for the device.
+4. **update**: this replica's parts are clipped by that norm and stepped
    (:meth:`nobubble.update.TrainedStage.apply`, the one order of a stage's update); then every
    replica's new parts are all-gathered into the newest version.
 
@@ -56,6 +59,7 @@ import torch.distributed as dist
 
 from nobubble.checkpoint.named_state import NamedState
 from nobubble.layout import ParallelLayout
+from nobubble.pipeline.host import HostCopy
 from nobubble.pipeline.replicas import (
     PendingReduction,
     ReplicaReduction,
@@ -74,6 +78,7 @@ ApplyStep = Callable[[torch.Tensor, tuple[float, float | None]], None]
 class Phase(Enum):
     REDUCE = "the gradient's reduction with the other replicas of its stage"
     NORM = "the gradient norm's all-reduce with the other replicas of its stage"
+    READ = "the copy of the step's figures and gradient norms to the host"
     GATHER = "the all-gather of the new weights from the other replicas of its stage"
     DONE = ""
 
@@ -89,8 +94,10 @@ class ShardedStep:
     works: list[Work] = field(default_factory=list)
     buffer: torch.Tensor | None = None  # what the phase's collective writes
     sent: torch.Tensor | None = None  # what it reads (kept alive until it completes)
-    squares: torch.Tensor | None = None  # zero=2: the gradient's sum of squares
-    norms: tuple[float, float | None] | None = None
+    # the gradient's norm (zero=1) or sum of squares (zero=2), then the tied copy's norm, if any
+    norms: list[torch.Tensor] = field(default_factory=list)
+    figures: HostCopy | None = None  # the sums and the norms, on their way to the host
+    read: list[float] | None = None  # the sums, read on the host
     started: float = 0.0  # the phase's collective's start (CPU clock)
     done: list[float] = field(default_factory=list)  # its completion, set by the backend
     comm_s: float = 0.0  # the chain's collectives, start to completion, summed
@@ -167,14 +174,20 @@ class ShardedUpdate:
         """Move ``pending`` on as far as its collectives have completed (``block``: all the way,
         waiting for them); ``apply`` runs the stage's update. Whether the chain is done."""
         while pending.phase is not Phase.DONE:
+            if pending.phase is Phase.READ:
+                if not block and not pending.figures.ready():
+                    return False
+                self._update(pending, apply)
+                continue
             works = pending.works + (pending.tied.works if pending.tied else [])
             if not block and not all(work.is_completed() for work in works):
                 return False
             self._wait(pending, works, block)
             if pending.phase is Phase.REDUCE:
                 self._reduced(pending)
-            if pending.phase is Phase.NORM and not pending.works:  # reduced, norms known
-                self._update(pending, apply)
+            if pending.phase is Phase.NORM and not pending.works:  # reduced, norms computed
+                values = torch.cat([pending.sums, *(n.reshape(1) for n in pending.norms)])
+                pending.figures, pending.phase = HostCopy(values), Phase.READ
             elif pending.phase is Phase.GATHER and not pending.works:
                 self._gathered(pending)
         return True
@@ -187,11 +200,10 @@ class ShardedUpdate:
         if pending.tied is not None:
             self.tied.finish(pending.tied, [self.trained.params[self.trained.tied]])
             pending.tied = None
-        others = math.nan  # zero=2: known once the squares are summed
         if self.zero == 1:
             full = pending.buffer.div_(dp)
             mine = full[self.plan.replica * size : (self.plan.replica + 1) * size]
-            others = torch.linalg.vector_norm(full).item()
+            others = torch.linalg.vector_norm(full).double()
         elif self.exchanges:
             received = pending.buffer.view(dp, size)
             mine = received[0].clone()
@@ -203,23 +215,23 @@ class ShardedUpdate:
         pending.buffer = pending.sent = None
         for name, grad in self.reduced.views(mine).items():
             self.trained.parts[name].grad = grad
-        pending.norms = (others, self._tied_norm())
+        if self.zero == 2:  # summed over the replicas next
+            others = torch.linalg.vector_norm(mine).double().square().reshape(1)
+        tied = self._tied_norm()
+        pending.norms = [others] + ([] if tied is None else [tied.double()])
         pending.phase = Phase.NORM
+        pending.works = []
         if self.zero == 2:
-            squares = torch.linalg.vector_norm(mine).double().square().reshape(1)
-            pending.squares = squares
             works = [
                 self._post(
-                    partial(dist.all_reduce, squares, group=self.group, async_op=True),
+                    partial(dist.all_reduce, others, group=self.group, async_op=True),
                     f"the gradient's sum of squares (step {pending.step + 1})",
-                    squares,
+                    others,
                 )
             ]
-            self._began(pending, works, squares.numel() * squares.element_size())
-        else:
-            pending.works = []
+            self._began(pending, works, others.numel() * others.element_size())
 
-    def _tied_norm(self) -> float | None:
+    def _tied_norm(self) -> torch.Tensor | None:
         """The tied copy's gradient (whole on every replica) onto this replica's part of it;
         its norm."""
         name = self.trained.tied
@@ -230,15 +242,16 @@ class ShardedUpdate:
         part = self.trained.parts.get(name)
         if part is not None:
             part.grad = next(p for p in self.plan.parts() if p.name == name).of(grad)
-        return float(torch.nn.utils.get_total_norm([grad]))
+        return torch.nn.utils.get_total_norm([grad])
 
     def _update(self, pending: ShardedStep, apply: ApplyStep) -> None:
-        """The norms are known: clip and step this replica's parts, then start gathering every
-        replica's."""
-        if pending.squares is not None:
-            pending.norms = (math.sqrt(pending.squares.item()), pending.norms[1])
-            pending.squares = None
-        apply(pending.sums, pending.norms)
+        """The norms are on the host: clip and step this replica's parts, then start gathering
+        every replica's."""
+        values, count = pending.figures.read(), len(pending.sums)
+        others = math.sqrt(values[count]) if self.zero == 2 else values[count]
+        tied = values[count + 1] if len(pending.norms) > 1 else None
+        pending.read, pending.figures, pending.norms = values[:count], None, []
+        apply(pending.sums, (others, tied))
         params = {n: p.detach() for n, p in self.trained.params.items()}
         mine = self.gathered.pack(
             params, like=params[next(iter(params))], replicas=[self.plan.replica]
@@ -247,7 +260,11 @@ class ShardedUpdate:
         works = [
             self._post(
                 partial(
-                    dist.all_gather_single, pending.buffer, mine, group=self.group, async_op=True
+                    dist.all_gather_into_tensor,
+                    pending.buffer,
+                    mine,
+                    group=self.group,
+                    async_op=True,
                 ),
                 f"the all-gather of the new weights (step {pending.step + 1})",
                 mine,

@@ -3,7 +3,8 @@
 Once every stage a process holds has applied its update of a step, the process sends the first
 stage a row per held stage: (loss, gradient norm, skipped, its MoE routing sums), zero-padded to
 one width for all. The first stage puts every process's rows in model-stage order and hands the
-step's :class:`~nobubble.engine.StepStats` to the training loop.
+step's :class:`~nobubble.engine.StepStats` to the training loop. Rows are built, sent and read
+as CPU tensors (the control plane's messages), from figures already on the host.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nobubble.model.moe import routing_size, unpack_routing
 from nobubble.model.partition import StageSpec
 from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.channels import Channel
-from nobubble.pipeline.comm import Messenger
+from nobubble.pipeline.comm import HOST, Messenger
 from nobubble.update import combined_norm
 
 
@@ -31,28 +32,28 @@ class StepStatistics:
         self,
         layout: ParallelLayout,
         messenger: Messenger,
-        device: torch.device,
         mc: ModelConfig,
         specs: Sequence[StageSpec],
         micro_per_step: int,
     ) -> None:
-        self.layout, self.messenger, self.device = layout, messenger, device
+        self.layout, self.messenger = layout, messenger
         self.mc, self.micro_per_step = mc, micro_per_step
         self.moe_blocks = [[i for i in s.blocks if mc.is_moe(i)] for s in specs]
         self.width = 3 + max(len(b) for b in self.moe_blocks) * routing_size(mc)
         self.rows: dict[int, dict[int, torch.Tensor]] = {}  # step -> held stage -> its row
 
     def add(
-        self, stage: int, step: int, sums: torch.Tensor, norm: float, ok: bool, last: bool
+        self, stage: int, step: int, sums: list[float], norm: float, ok: bool, last: bool
     ) -> bool:
         """The row of held ``stage`` for ``step``: its update's gradient ``norm`` and whether it
         went ahead (``ok``), the loss (``last``: the stage that holds the head) and routing
-        ``sums``. Whether every stage this process holds has now reported ``step``."""
-        sums = sums.cpu()
-        loss = sums[0].item() / self.micro_per_step if last else math.nan
+        ``sums`` (read on the host already: :mod:`nobubble.pipeline.host`). Whether every stage
+        this process holds has now reported ``step``."""
+        loss = sums[0] / self.micro_per_step if last else math.nan
         row = torch.zeros(self.width, dtype=torch.float64)
-        row[:3] = torch.tensor([loss, norm, 0.0 if ok else 1.0], dtype=torch.float64)
-        row[3 : 2 + len(sums)] = sums[1:]
+        row[: 2 + len(sums)] = torch.tensor(
+            [loss, norm, 0.0 if ok else 1.0, *sums[1:]], dtype=row.dtype
+        )
         rows = self.rows.setdefault(step, {})
         rows[stage] = row
         return len(rows) == len(self.layout.stages)
@@ -65,7 +66,7 @@ class StepStatistics:
         if self.layout.is_first_stage:
             on_step(self._gather(step, mine, lr))
         else:
-            self.messenger.send(mine.to(self.device), 0, Channel.STATS, step)
+            self.messenger.send(mine, 0, Channel.STATS, step)
 
     def _gather(self, step: int, mine: torch.Tensor, lr: float) -> StepStats:
         """The first stage: every stage's statistics of ``step``."""
@@ -76,12 +77,12 @@ class StepStatistics:
                 self.messenger.recv(
                     (layout.chunks, self.width),
                     torch.float64,
-                    self.device,
+                    HOST,
                     peer,
                     Channel.STATS,
                     step,
                     f"the statistics of step {step}",
-                ).cpu()
+                )
             )
         # model stage c·P + r is row c of pipeline rank r's report
         reports = [
@@ -90,11 +91,12 @@ class StepStatistics:
         routing = {}
         for stage, row in enumerate(reports):
             routing.update(unpack_routing(row[3:], self.moe_blocks[stage], self.mc))
+        figures = [row[:3].tolist() for row in reports]  # (loss, norm, skipped) per stage
         return StepStats(
             step=step,
-            loss=reports[-1][0].item(),
-            grad_norm=combined_norm(r[1].item() for r in reports),
+            loss=figures[-1][0],
+            grad_norm=combined_norm(norm for _, norm, _ in figures),
             lr=lr,
             routing=routing,
-            skipped_stages=[s for s, r in enumerate(reports) if r[2].item()],
+            skipped_stages=[s for s, (_, _, skipped) in enumerate(figures) if skipped],
         )

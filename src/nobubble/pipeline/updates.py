@@ -7,6 +7,11 @@ next STEP comes, so under 2bw the all-reduce runs behind the next step's compute
 state (``zero`` > 0) the update is a chain of collectives (:mod:`nobubble.pipeline.shards`),
 moved on between actions as its collectives complete (:meth:`Updates.advance`), and finished
 alike where its version is needed.
+
+Without all-reduces a STEP waits for nothing either: it queues the gradient's norms and copies
+them, with the step's figures, to the host (:class:`~nobubble.pipeline.host.HostCopy`); the clip,
+the optimizer step and the statistics follow where the version is needed, after waiting, if at
+all, for that copy alone. The STEP action itself never reads a device value.
 """
 
 from __future__ import annotations
@@ -17,27 +22,44 @@ from dataclasses import dataclass
 import torch
 
 from nobubble.pipeline.held_stage import HeldStage
+from nobubble.pipeline.host import HostCopy
 from nobubble.pipeline.replicas import PendingReduction
 from nobubble.pipeline.shards import ShardedStep
 from nobubble.profiling import label
 from nobubble.schedules import Action, ActionKind
+from nobubble.update import TrainedStage
 
 # an update's outcome: (gradient norm, whether it went ahead, learning rate)
 Outcome = tuple[float, bool, float]
 # (stage, step, its sums, the gradient's norms where the stage holds a part of it) -> outcome
 Update = Callable[[HeldStage, int, torch.Tensor, tuple[float, float | None] | None], Outcome]
-# (stage, step, its sums, the outcome): the step's statistics, reported
-Report = Callable[[HeldStage, int, torch.Tensor, Outcome], None]
+# (stage, step, its sums read on the host, the outcome): the step's statistics, reported
+Report = Callable[[HeldStage, int, list[float], Outcome], None]
 
 
 @dataclass
 class _PendingUpdate:
-    """A STEP whose update waits for its all-reduces (data-parallel, tied or both)."""
+    """A STEP whose update waits for its all-reduces (data-parallel, tied or both), or, with
+    neither, for its figures and gradient norms on their way to the host."""
 
     step: int
     sums: torch.Tensor  # HeldStage.step_sums (loss and routing), before any all-reduce
     replicas: PendingReduction | None
     tied: PendingReduction | None
+    figures: HostCopy | None = None  # no all-reduce: the sums, then the norms
+
+
+def gradient_norms(trained: TrainedStage) -> torch.Tensor:
+    """The norms the clip of ``trained``'s complete gradient takes
+    (:func:`nobubble.update.clip_gradients`), on the device, float64: of the gradient but the
+    tied copy's, then (where the stage holds one) of the tied copy's."""
+    params = trained.params
+    groups = [[p.grad for n, p in params.items() if n != trained.tied and p.grad is not None]]
+    if trained.tied is not None:
+        groups.append([g for g in [params[trained.tied].grad] if g is not None])
+    norms = [torch.nn.utils.get_total_norm(grads) for grads in groups]
+    like = next(iter(params.values()))
+    return torch.stack([n.to(like.device, torch.float64) for n in norms])
 
 
 class Updates:
@@ -67,7 +89,8 @@ class Updates:
         """The gradient of ``held``'s ``step`` is complete: average it over the replicas and sum
         the tied weight's with the other stage's (in the background), or apply the update now."""
         if held.reduction is None and held.tied is None:
-            self.report(held, step, sums, self.update(held, step, sums, None))
+            figures = HostCopy(torch.cat([sums, gradient_norms(held.trained)]))
+            self.pending[held.index] = _PendingUpdate(step, sums, None, None, figures)
             return
         # the same order of collectives on every rank: tied first (it spans both groups' ranks)
         tied_copy = [held.trained.params[held.tied_name]] if held.tied else []
@@ -99,7 +122,7 @@ class Updates:
 
     def _reported(self, stage: int, pending: ShardedStep) -> None:
         del self.pending[stage]
-        self.report(self.held[stage], pending.step, pending.sums, self.outcomes.pop(stage))
+        self.report(self.held[stage], pending.step, pending.read, self.outcomes.pop(stage))
 
     def finish_before(self, action: Action) -> None:
         """Finish pending updates before ``action`` where it needs the version they make (or is
@@ -130,9 +153,20 @@ class Updates:
                 self._reported(stage, pending)
                 return
             del self.pending[stage]
+            if pending.figures is not None:
+                self._apply_read(held, pending)
+                return
             sums = pending.sums
             if pending.replicas is not None:
                 sums = held.reduction.finish(pending.replicas, held.reduced)
             if pending.tied is not None:
                 held.tied.finish(pending.tied, [held.trained.params[held.tied_name]])
-            self.report(held, pending.step, sums, self.update(held, pending.step, sums, None))
+            outcome = self.update(held, pending.step, sums, None)
+            self.report(held, pending.step, HostCopy(sums).read(), outcome)
+
+    def _apply_read(self, held: HeldStage, pending: _PendingUpdate) -> None:
+        """The update of a STEP without all-reduces, from its figures and norms on the host."""
+        values, count = pending.figures.read(), len(pending.sums)
+        norms = (values[count], values[count + 1] if held.trained.tied is not None else None)
+        outcome = self.update(held, pending.step, pending.sums, norms)
+        self.report(held, pending.step, values[:count], outcome)
