@@ -259,15 +259,14 @@ def audit(gpus: int) -> Run:
     )
 
 
-def wanted(gpus: int) -> list[tuple[Run, int]]:
+def wanted() -> list[tuple[Run, int]]:
     """The rows that a GPU each on NCCL, and so this many GPUs, makes possible."""
-    main = "nccl"
     return [
-        (row("1f1b", 4, main), 4),
-        (row("2bw", 2, main, dp=2, expect=CLOSE), 4),
-        *[(row("1f1b", 2, main, dp=2, extra=(f"zero={z}",), expect=CLOSE), 4) for z in (1, 2)],
-        (row("2bw", 4, main, dp=2, expect=CLOSE), 8),
-        (row("1f1b", 8, main), 8),
+        (row("1f1b", 4, "nccl"), 4),
+        (row("2bw", 2, "nccl", dp=2, expect=CLOSE), 4),
+        *[(row("1f1b", 2, "nccl", dp=2, extra=(f"zero={z}",), expect=CLOSE), 4) for z in (1, 2)],
+        (row("2bw", 4, "nccl", dp=2, expect=CLOSE), 8),
+        (row("1f1b", 8, "nccl"), 8),
     ]
 
 
@@ -275,7 +274,7 @@ def skipped(gpus: int) -> list[Skipped]:
     """The rows this machine cannot run (too few GPUs), each with why."""
     return [
         Skipped(run.name, f"needs {need} GPUs, a GPU per process on NCCL; this machine has {gpus}")
-        for run, need in wanted(gpus)
+        for run, need in wanted()
         if need > gpus
     ]
 
@@ -289,7 +288,7 @@ def plan(gpus: int) -> list[Run]:
     rows = [row(schedule, 2, main) for schedule in SCHEDULES]
     # the other ways to share one GPU, once: plain gloo; with NCCL there, NCCL's emulation
     rows.append(row("2bw", 2, "gloo" if main == "emulated" else "emulated"))
-    rows += [run for run, need in wanted(gpus) if need <= gpus]
+    rows += [run for run, need in wanted() if need <= gpus]
     rows += [audit(gpus), throughput(gpus)]
     compiled = ("compile=true", "activation_checkpointing=true")
     rows.append(row("2bw", 2, main, extra=compiled, expect=CLOSE))
