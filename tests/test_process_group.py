@@ -36,7 +36,8 @@ SCRIPT = textwrap.dedent(
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=2)
     else:
-        pg.open_process_group("gloo", torch.device("cpu"), rank, 2, 60.0, how == "emulated")
+        emulated = how in ("emulated", "aborted")
+        pg.open_process_group("gloo", torch.device("cpu"), rank, 2, 600.0, 60.0, emulated)
     keep = dist.group.WORLD if how == "leak" else None
     weight = torch.nn.Parameter(torch.ones(3))
     torch.optim.AdamW([weight]).step()  # the first optimizer imports torch._dynamo
@@ -48,6 +49,17 @@ SCRIPT = textwrap.dedent(
         launch = lambda: dist.all_reduce(total, async_op=True)
         active().collective(None, launch, "all-reduce", total.device).wait()
         assert total.tolist() == [2.0, 2.0]
+    if how == "aborted":  # rank 1 receives a message, then posts a receive that never comes
+        message = torch.ones(2)
+        if rank == 0:
+            active().send(message, 1, None, 0, "send").wait()
+        else:
+            active().recv(message, 0, None, 0, "receive").wait()
+            active().recv(message, 0, None, 1, "receive")  # nothing sends it
+        dist.barrier()
+        pg.abort_process_group()
+        print("aborted", flush=True)
+        sys.exit(pg.exit_code(3))
     dist.barrier()
     gone = pg.close_process_group()
     threads = [(t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()]
@@ -86,6 +98,15 @@ def test_closing_the_group_stops_every_backend_thread(how):
     for result in run_pair(how):
         assert result.returncode == 3, result.stderr
         assert result.stdout.strip() == "gone []", result.stdout + result.stderr
+        assert "note:" not in result.stderr
+
+
+def test_an_abort_waits_for_nothing_posted_and_ends_the_process_with_its_code():
+    """A receive that never comes would hold the emulator's graceful close, as NCCL's, for the
+    group timeout (600 s, past the pair's limit of 300 s); the abort leaves it pending."""
+    for result in run_pair("aborted"):
+        assert result.returncode == 3, result.stderr
+        assert result.stdout.strip() == "aborted", result.stdout + result.stderr
         assert "note:" not in result.stderr
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from nobubble.config import (
     FIELDS,
     HINTS,
-    ConfigError,
     NobubbleWarning,
     TrainConfig,
     load_toml,
@@ -28,6 +27,7 @@ from nobubble.config.flags import OneLineParser
 from nobubble.configure import REGISTRY_NAMES, asks_for_auto, build_config
 from nobubble.corrections.auto import choose
 from nobubble.layout import first_process
+from nobubble.telling import Told, tell, user_errors
 from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
 
 
@@ -199,40 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    from nobubble.checkpoint.files import CheckpointError
-    from nobubble.data import DataError
-    from nobubble.pipeline.comm import PeerFailure
-    from nobubble.run.errors import TrainingError
-    from nobubble.runfolder import RunWriteError
-    from nobubble.schedules import ScheduleError
-
-    return (
-        ConfigError,
-        DataError,
-        TrainingError,
-        CheckpointError,
-        ScheduleError,
-        PeerFailure,
-        RunWriteError,
-    )
-
-
 def run_command(args: argparse.Namespace) -> int:
     from nobubble.interrupt import Interrupted
 
     try:
         return args.func(args)
-    except user_errors() as exc:
-        print(f"nobubble: error: {exc}", file=sys.stderr)
-        return 2
+    except Told as told:  # a pipeline rank told its error before it aborted its groups
+        return told.code
+    except (*user_errors(), KeyboardInterrupt) as error:
+        return tell(error)
     except Interrupted as stop:  # a run, or a command's children, stopped by a signal
         if first_process():  # every rank stops after the same step: one line says so
             print(f"nobubble: {stop}", file=sys.stderr)
         return 128 + stop.signum
-    except KeyboardInterrupt:
-        print("nobubble: interrupted", file=sys.stderr)
-        return 130
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """NCCL's pairing and ordering on gloo: the transport of ``emulate_nccl=true``.
 
-NCCL hangs where gloo does not because of three rules, which this transport adds to gloo:
+NCCL hangs where gloo does not because of these rules, which this transport adds to gloo:
 
 - **Tags are ignored.** Between two ranks of a process group the n-th send pairs with the n-th
   receive. (Each message carries its tag and what it is ahead of its data, so a pairing of two
@@ -20,6 +20,10 @@ NCCL hangs where gloo does not because of three rules, which this transport adds
   collective blocks until every member has posted its first collective there. A runtime that
   posts a receive ahead on one group while its peer waits to post on another hangs at step 0,
   as on NCCL; :mod:`nobubble.pipeline.warmup` connects every group first, in one global order.
+- **A peer that went away goes unnoticed.** Nothing tells NCCL on one node that a peer exited:
+  an operation with it never completes. gloo notices (the connection closes); here the
+  operation stays pending instead, and its queue runs nothing more, so a rank waiting for it
+  gives up only after ``p2p_timeout_s``.
 
 Everything else is gloo's: the same bytes arrive and the all-reduces sum in gloo's order, so a run
 computes bitwise what it computes without the emulator. The control plane's own gloo group (the
@@ -30,6 +34,12 @@ and is not emulated; its waits are watched (:class:`_Watched`).
 finished. A monitor thread on each rank writes that rank's operations into the rendezvous store
 once one of them (or a wait of its main thread) has been stuck for half the limit; the rank that
 gives up adds its own and reads the others' as they are (it waits for none of them).
+
+**The end.** NCCL's ``destroy_process_group()`` waits for every operation posted, and so does
+:meth:`EmulatedNccl.close` (up to the group timeout, when NCCL's watchdog would abort them).
+After an error, a receive posted ahead may never complete, so an error ends with
+:meth:`EmulatedNccl.abort` instead, which stops the queues at once, as NCCL's abort does
+(:func:`nobubble.pipeline.process_group.abort_process_group`).
 """
 
 from __future__ import annotations
@@ -61,25 +71,32 @@ class _Operation:
         self.body: Callable[[], None] | None = body
         self.done = threading.Event()
         self.error: Exception | None = None
+        self.lost: Exception | None = None  # gloo's error: its peer went away
         self.started: float | None = None  # when it reached the head of its queue
         self.future: torch.futures.Future = torch.futures.Future()
 
-    def run(self, broken: Exception | None) -> None:
-        """Run it (on the queue's thread); after a failure on the queue, fail at once."""
+    def run(self, broken: Exception | None) -> bool:
+        """Run it (on the queue's thread); after a mismatch on the queue, fail at once. Whether
+        it ended: one that gloo fails (its peer went away) never does, as on NCCL."""
         self.started = time.monotonic()
-        try:
-            if broken is not None:
-                raise RuntimeError(
-                    f"an earlier operation on {self.queue.name} failed, and NCCL's communicator "
-                    f"fails with it: {broken}"
-                )
-            self.body()
-        except Exception as exc:
-            self.error = exc
-        finally:
-            self.body = None  # let go of its tensors and group
-            self.done.set()
-            self.future.set_result(None)
+        if broken is not None:
+            self.error = RuntimeError(
+                f"an earlier operation on {self.queue.name} failed, and NCCL's communicator "
+                f"fails with it: {broken}"
+            )
+        else:
+            try:
+                self.body()
+            except MismatchedMessages as exc:
+                self.error = exc
+            except Exception as exc:  # gloo's: NCCL would not notice, and wait on
+                self.lost = exc
+        self.body = None  # let go of its tensors and group
+        if self.lost is not None:
+            return False
+        self.done.set()
+        self.future.set_result(None)
+        return True
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         limit = self.emulator.limit if timeout is None else timeout.total_seconds()
@@ -100,7 +117,8 @@ class _Operation:
 
     def describe(self, now: float) -> str:
         running = self.started is not None and not self.done.is_set()
-        return self.label + (f" (running {now - self.started:.0f}s)" if running else "")
+        gone = "; its peer went away, which NCCL does not notice" if self.lost else ""
+        return self.label + (f" (running {now - self.started:.0f}s{gone})" if running else "")
 
 
 class _Queue:
@@ -111,7 +129,8 @@ class _Queue:
         self.name = name
         self.operations: deque[_Operation] = deque()  # the head is the one running
         self.changed = threading.Condition()
-        self.closing = False
+        self.closing = False  # end once empty
+        self.aborted = False  # end now
         self.broken: Exception | None = None
         self.thread = threading.Thread(target=self._serve, name=f"emulated NCCL {name}")
         self.thread.daemon = True  # one stuck in gloo must not keep a failed run alive
@@ -129,15 +148,24 @@ class _Queue:
     def _serve(self) -> None:
         while True:
             with self.changed:
-                while not self.operations and not self.closing:
+                while not (self.operations or self.closing or self.aborted):
                     self.changed.wait()
-                if not self.operations:
+                if self.aborted or not self.operations:
                     return
                 operation = self.operations[0]
-            operation.run(self.broken)
+            if not operation.run(self.broken):
+                self._hold()
+                return
             self.broken = self.broken or operation.error
             with self.changed:
                 self.operations.popleft()
+
+    def _hold(self) -> None:
+        """Run nothing more until aborted, as a communicator's stream behind a kernel that never
+        ends (what is posted stays pending: a graceful close waits for it)."""
+        with self.changed:
+            while not self.aborted:
+                self.changed.wait()
 
     def close(self, timeout_s: float) -> bool:
         """Let the thread end once the queue is empty; whether it did within ``timeout_s``."""
@@ -146,6 +174,12 @@ class _Queue:
             self.changed.notify()
         self.thread.join(timeout_s)
         return not self.thread.is_alive()
+
+    def abort(self) -> None:
+        """Run nothing more: the thread ends once the operation running (if any) returns."""
+        with self.changed:
+            self.aborted = True
+            self.changed.notify()
 
 
 class _Watched:
@@ -426,17 +460,33 @@ class EmulatedNccl(Transport):
     # -- the end --------------------------------------------------------------------------------
 
     def close(self) -> bool:
-        """Stop the monitor and the queues and let go of the groups; whether every thread
-        ended (one stuck in gloo does once the process group is destroyed)."""
+        """NCCL's graceful close (``destroy_process_group()``): wait for every operation posted
+        to finish, up to the group timeout (then NCCL's watchdog would abort it), stop the
+        monitor and let go of the groups; whether every thread ended. A receive posted ahead
+        whose send will never come holds it that long: an error ends with :meth:`abort`."""
+        limit = self.group_timeout.total_seconds() if self.group_timeout else self.limit
+        deadline = time.monotonic() + limit
         self.stopping.set()
         self.monitor.join()
+        queues = self._let_go()
+        return all([queue.close(max(0.0, deadline - time.monotonic())) for queue in queues])
+
+    def abort(self) -> None:
+        """Stop the monitor and the queues at once, whatever they hold (NCCL's abort); a
+        thread stuck in gloo ends with the process."""
+        self.stopping.set()
+        for queue in self._let_go():
+            queue.abort()
+
+    def _let_go(self) -> list[_Queue]:
+        """Forget the groups; their queues, to be closed or aborted."""
         with self.lock:
             queues = list(self.queues.values())
             self.queues.clear()
         self.plain.clear()
         self.posted.clear()
         self.connected.clear()
-        return all([queue.close(timeout_s=1.0) for queue in queues])
+        return queues
 
 
 def _resolved(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -17,6 +17,12 @@ active exception"). So :func:`open_process_group` imports ``torch._dynamo`` firs
 (another library, a later torch), the process ends without interpreter teardown once its work is
 done (:func:`exit_code`), so a finished job still exits with its code instead of crashing. The
 same holds for the emulator's threads: one stuck in gloo after a failure ends with the process.
+
+That close is graceful, and on NCCL ``destroy_process_group()`` waits for every operation posted.
+After an error, a receive posted ahead may never complete (its peer failed, or waits for what
+this rank will never send), and the close would wait for NCCL's watchdog (``group_timeout_s``).
+So an error ends with :func:`abort_process_group` instead, which waits for nothing; the process
+then ends without interpreter teardown, whatever the abort left running.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from nobubble.pipeline.emulated_nccl import EmulatedNccl
 from nobubble.pipeline.transport import Transport, active, install
 
 _OUTLIVED: list[str] = []  # what outlived close_process_group in this process, and how
+_ABORTED: list[str] = []  # the backend of the group abort_process_group aborted, if it ran
 
 
 def device_and_backend(cfg: TrainConfig) -> tuple[torch.device, str]:
@@ -145,18 +152,36 @@ def close_process_group() -> bool:
     return not held_elsewhere and stopped
 
 
+def abort_process_group() -> None:
+    """Stop the transport and abort the process group and its subgroups at once, waiting for
+    nothing they hold (the module's docstring).
+
+    NCCL's abort (``_abort_process_group``) returns at once. gloo's, like its destroy, waits for
+    a collective in its queue (torch 2.13), so a gloo group is left as it is: the process's end
+    closes its connections, and its peers see them close.
+    """
+    transport = active()
+    install(Transport())
+    transport.abort()
+    name = dist.get_backend(dist.group.WORLD)
+    if name == "nccl":
+        distributed_c10d._abort_process_group()
+    _ABORTED.append(name)
+
+
 def exit_code(code: int) -> int:
-    """``code``, or, if a backend outlived its group, end the process now with ``code``.
+    """``code``, or, if a backend outlived its group or was aborted, end the process now with
+    ``code``.
 
     Ending the process skips interpreter teardown (and with it the threads' race); everything
     the run writes is closed by then, and standard output and error are flushed here.
     """
-    if _OUTLIVED:
-        if first_process():  # one line a launch, not one per rank
-            print(
-                f"nobubble: note: {_OUTLIVED[0]}; exiting without interpreter teardown",
-                file=sys.stderr,
-            )
+    if _OUTLIVED and first_process():  # one line a launch, not one per rank
+        print(
+            f"nobubble: note: {_OUTLIVED[0]}; exiting without interpreter teardown",
+            file=sys.stderr,
+        )
+    if _OUTLIVED or _ABORTED:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

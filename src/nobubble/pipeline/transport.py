@@ -97,8 +97,12 @@ class Transport:
         return self.new_group(None, "control (gloo)", "gloo")
 
     def close(self) -> bool:
-        """Stop what the transport runs beside the process group; whether all of it stopped."""
+        """Stop what the transport runs beside the process group once what it posted is done;
+        whether all of it stopped."""
         return True
+
+    def abort(self) -> None:
+        """Stop what the transport runs beside the process group at once, whatever it holds."""
 
 
 _ACTIVE = Transport()

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -30,17 +30,25 @@ from nobubble.data.errors import DataError
 from nobubble.data.tokenizer import tokenizer_from_json
 from nobubble.device import configure_torch
 from nobubble.engine import Engine
+from nobubble.interrupt import Interrupted
 from nobubble.layout import ParallelLayout, replica_group
 from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.links import resolve_links
 from nobubble.pipeline.process_group import (
+    abort_process_group,
     close_process_group,
     device_and_backend,
     open_process_group,
 )
 from nobubble.pipeline.runtime import PipelineEngine
+from nobubble.resume import RunFinished
+from nobubble.telling import Told, tell
 
 T = TypeVar("T")
+
+# How a run ends on every rank at once, with nothing posted and pending: its process group
+# closes gracefully. Any other exception ends it with an abort (:func:`tell_and_abort`).
+ENDED_TOGETHER = (Interrupted, RunFinished)
 
 
 def launched_by_torchrun() -> bool:
@@ -155,13 +163,24 @@ def _build_on_every_rank(
     return data
 
 
+def tell_and_abort(error: BaseException) -> NoReturn:
+    """Tell ``error`` first, then abort the process groups: NCCL's graceful close would wait
+    for the receives posted ahead, which after an error may never complete, until the
+    watchdog's timeout (:mod:`nobubble.pipeline.process_group`); the command exits with the
+    error's status (:class:`~nobubble.telling.Told`)."""
+    code = tell(error)
+    abort_process_group()
+    raise Told(code) from error
+
+
 def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 class TorchrunLauncher:
     """The setup of one rank of a torchrun launch (:class:`nobubble.run.setup.Launcher`): a
-    context that opens the process group and closes it once the run is done."""
+    context that opens the process group and closes it once the run is done, or tells the
+    error that ended it and aborts it (:func:`tell_and_abort`)."""
 
     pipeline = True
 
@@ -187,9 +206,8 @@ class TorchrunLauncher:
             mesh_device = "cpu" if backend == "gloo" else self.device.type
             timeout = datetime.timedelta(seconds=cfg.group_timeout_s)
             self.replicas = replica_group(self.layout, mesh_device, timeout)
-        except BaseException:
-            close_process_group()
-            raise
+        except BaseException as error:
+            tell_and_abort(error)
 
     @property
     def is_leader(self) -> bool:
@@ -216,4 +234,7 @@ class TorchrunLauncher:
         self.replicas = None  # what holds a process group keeps its backend alive past close
         if tb is not None:  # so do the locals of a run that a stop or an error ended
             traceback.clear_frames(tb)
-        close_process_group()
+        if error is None or isinstance(error, ENDED_TOGETHER):
+            close_process_group()
+        else:
+            tell_and_abort(error)
