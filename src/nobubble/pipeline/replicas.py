@@ -24,8 +24,10 @@ so under ``emulate_nccl`` they queue with the rest of their group's operations, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -183,6 +185,20 @@ def wait_for(works: list[Work], timeout: datetime.timedelta, name: str, what: st
     try:
         for work in works:
             work.wait(timeout)
+    except RuntimeError as exc:
+        raise peer_failure(name, what, exc) from None
+
+
+@contextlib.contextmanager
+def peer_failures(name: str, what: str) -> Iterator[None]:
+    """Around a collective made outside the transport (a barrier, a gather of Python objects):
+    its error, that of a peer that exited, crashed or is stuck, becomes the one-line
+    :class:`PeerFailure` of ``name`` (the rank that waited) waiting for ``what``. Keep the block
+    to the call itself: any RuntimeError inside reads as a peer's."""
+    try:
+        yield
+    except PeerFailure:
+        raise
     except RuntimeError as exc:
         raise peer_failure(name, what, exc) from None
 

@@ -58,7 +58,7 @@ from nobubble.pipeline.failure import add_schedule, schedule_around
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.links import Links, resolve_links
 from nobubble.pipeline.plan import RECV_AHEAD, Plan
-from nobubble.pipeline.replicas import peer_failure, replica_rows
+from nobubble.pipeline.replicas import peer_failures, replica_rows
 from nobubble.pipeline.shards import stage_groups
 from nobubble.pipeline.stats import StepStatistics
 from nobubble.pipeline.transport import active
@@ -149,11 +149,9 @@ class PipelineEngine:
     def barrier(self) -> None:
         """Wait for every rank; one that exited (its connection closed) or is stuck is a
         :class:`PeerFailure` (the one line a rank ends with when a peer failed)."""
-        try:
+        what = f"the other processes of the run at step {self.step} (a barrier)"
+        with peer_failures(self.layout.name(), what):
             dist.barrier()
-        except RuntimeError as exc:
-            what = f"the other processes of the run at step {self.step} (a barrier)"
-            raise peer_failure(self.layout.name(), what, exc) from None
 
     # -- training -------------------------------------------------------------------------------
 
@@ -285,7 +283,8 @@ class PipelineEngine:
                 report["tied_sha256"] = weights_digest({h.tied_name: newest[h.tied_name]})
             report |= h.tied.report("tied_allreduce")
         reports = [None] * self.layout.world if self.layout.is_leader else None
-        dist.gather_object(report, reports, dst=self.layout.leader)
+        with peer_failures(self.layout.name(), "the other stages' reports (a gather)"):
+            dist.gather_object(report, reports, dst=self.layout.leader)
         return reports
 
     def weight_drift(self) -> list[float | None] | None:
@@ -298,7 +297,9 @@ class PipelineEngine:
             return None
         mine = {s: weight_drift(h.trained.store, h.trained.delay) for s, h in self.held.items()}
         parts = [None] * self.layout.world if self.layout.is_leader else None
-        dist.gather_object(mine, parts, dst=self.layout.leader)
+        what = f"the other stages' weight drift at step {self.step} (a gather)"
+        with peer_failures(self.layout.name(), what):
+            dist.gather_object(mine, parts, dst=self.layout.leader)
         if parts is None:
             return None
         drift = {s: value for part in parts for s, value in part.items()}  # replicas agree

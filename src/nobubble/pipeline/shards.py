@@ -64,6 +64,7 @@ from nobubble.pipeline.replicas import (
     PendingReduction,
     ReplicaReduction,
     comm_report,
+    peer_failures,
     wait_for,
 )
 from nobubble.pipeline.transport import Launch, Work, active
@@ -319,7 +320,8 @@ class ShardedUpdate:
         (``state``: this replica's), on replica 0 (None on the others); a collective call over
         ``group`` (gloo), through host memory."""
         parts: list[NamedState] | None = [None] * self.plan.dp if self.plan.replica == 0 else None
-        dist.gather_object(state_to(state, "cpu"), parts, group=group, group_dst=0)
+        with peer_failures(self.name, "the other replicas' parts of its state (a gather)"):
+            dist.gather_object(state_to(state, "cpu"), parts, group=group, group_dst=0)
         return None if parts is None else self.plan.join_states(parts)
 
     def report(self, prefix: str) -> dict[str, float]:

@@ -40,6 +40,7 @@ from nobubble.pipeline.process_group import (
     device_and_backend,
     open_process_group,
 )
+from nobubble.pipeline.replicas import peer_failures
 from nobubble.pipeline.runtime import PipelineEngine
 from nobubble.resume import RunFinished
 from nobubble.telling import Told, tell
@@ -90,7 +91,8 @@ def check_launch(cfg: TrainConfig, layout: ParallelLayout) -> None:
 def _broadcast(layout: ParallelLayout, value: object) -> object:
     """The leader's ``value``, on every rank."""
     box = [value]
-    dist.broadcast_object_list(box, src=layout.leader)
+    with peer_failures(layout.name(), "the first process's answer (a broadcast)"):
+        dist.broadcast_object_list(box, src=layout.leader)
     return box[0]
 
 
@@ -151,7 +153,8 @@ def _build_on_every_rank(
     where = f"rank {layout.rank} ({layout.name()}) on host {socket.gethostname()}"
     what = failure if isinstance(failure, DataError) else f"{type(failure).__name__}: {failure}"
     reports: list[str | None] = [None] * layout.world
-    dist.all_gather_object(reports, None if failure is None else f"{where}: {what}")
+    with peer_failures(layout.name(), "the other processes' data (an all-gather)"):
+        dist.all_gather_object(reports, None if failure is None else f"{where}: {what}")
     if failure is not None and not isinstance(failure, DataError):
         raise failure  # a bug: its own traceback here
     failed = [report for report in reports if report is not None]
@@ -223,7 +226,8 @@ class TorchrunLauncher:
         return PipelineEngine(cfg, mc, self.device, val_batches, self.layout, self.replicas)
 
     def barrier(self) -> None:
-        dist.barrier()
+        with peer_failures(self.layout.name(), "the other processes of the run (a barrier)"):
+            dist.barrier()
 
     def __enter__(self) -> TorchrunLauncher:
         return self
