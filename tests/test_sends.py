@@ -92,3 +92,39 @@ def test_a_completed_send_that_failed_raises_when_it_is_let_go():
     transport.works[0].received = True
     with pytest.raises(PeerFailure, match=r"exited or crashed.*connection closed by peer"):
         send(sender, 1)
+
+
+class Received:
+    """A receive's work that is done at once."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def test_activations_and_gradients_travel_in_the_wire_dtype_and_arrive_as_asked():
+    """Under bfloat16 autocast (p2p_dtype=auto) a stage's float32 activations and gradients
+    travel in bfloat16, half the bytes, and are handed to the receiver in the dtype it asked
+    for; control messages and statistics travel as they are."""
+    transport = FakeTransport(reports=True)
+    transport.recv = lambda buffer, rank, group, tag, what: (buffers.append(buffer), Received())[1]
+    buffers: list[torch.Tensor] = []
+    sender = Messenger(ParallelLayout(pp=2, rank=0), 5.0, Links(), torch.bfloat16)
+    sender.transport = transport
+    value = torch.tensor([1.0 + 2**-10, 3.0])  # 1 + 2^-10 is not a bfloat16
+    for channel in (Channel.ACTIVATION, Channel.GRADIENT, Channel.EVAL_ACTIVATION, Channel.STATS):
+        sender.send(value, 1, channel, 0)
+    assert [t.dtype for _, t in sender.sends] == [torch.bfloat16] * 3 + [torch.float32]
+    assert sender.sends[0][1].tolist() == [1.0, 3.0]  # rounded on the way
+    cpu = torch.device("cpu")
+    pending = sender.post_recv((2,), torch.float32, cpu, 1, Channel.GRADIENT, 0, "a gradient")
+    assert buffers[-1].dtype == torch.bfloat16
+    assert sender.wait(pending).dtype == torch.float32
+    pending = sender.post_recv((2,), torch.float32, cpu, 1, Channel.STATS, 0, "statistics")
+    assert buffers[-1].dtype == torch.float32
+    plain = Messenger(ParallelLayout(pp=2, rank=0), 5.0, Links())  # p2p_dtype=float32
+    plain.transport = FakeTransport(reports=True)
+    plain.send(value, 1, Channel.ACTIVATION, 0)
+    assert plain.sends[0][1].dtype == torch.float32 and plain.sends[0][1].equal(value)

@@ -128,6 +128,14 @@ def compute_dtype(dtype: str, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
+def wire_dtype(p2p_dtype: str, dtype: str, device: torch.device) -> torch.dtype | None:
+    """The dtype a pipeline's activations and gradients travel in (``p2p_dtype``): bfloat16
+    under bfloat16 autocast with ``auto``; None (as the stages hold them, float32) otherwise."""
+    if p2p_dtype == "auto" and compute_dtype(dtype, device) == "bfloat16":
+        return torch.bfloat16
+    return None
+
+
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     """The context a stage's forward runs in: bfloat16 autocast for its matmuls, or nothing."""
     if compute_dtype(dtype, device) == "bfloat16":

@@ -176,6 +176,7 @@ READ_WHEN: dict[str, ReadWhen] = {
     "p2p_routes": _TORCHRUN,
     "group_timeout_s": _TORCHRUN,
     "p2p_warmup": _TORCHRUN,
+    "p2p_dtype": _TORCHRUN,
     "dist_backend": _TORCHRUN,
     "emulate_nccl": _TORCHRUN,
     "partition": ReadWhen(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from nobubble.config.fields import FREE, LAYOUT, NON_NEGATIVE, POSITIVE, Range, setting
 
 P2P_ROUTES = ("auto", "shared", "per-edge")  # nobubble.pipeline.links
+P2P_DTYPES = ("auto", "float32")  # nobubble.pipeline.comm
 DIST_BACKENDS = ("auto", "gloo", "nccl")  # nobubble.pipeline.process_group
 PARTITIONS = ("blocks", "flops")  # nobubble.model.partition
 
@@ -74,6 +75,15 @@ class ParallelSettings:
         "first action (NCCL connects a pair on its first send/receive and blocks until the "
         "peer's first; without it most schedules hang at step 0 on NCCL and under "
         "emulate_nccl)",
+        resume=FREE,
+    )
+    p2p_dtype: str = setting(
+        "auto",
+        "pipeline: the dtype activations and gradients travel between stages in: auto (the "
+        "compute dtype: bfloat16 under bfloat16 autocast, half the bytes, float32 otherwise) | "
+        "float32 (as the stages hold them: a bfloat16 run then equals the one-process engine's "
+        "float32 hand-offs)",
+        choices=P2P_DTYPES,
         resume=FREE,
     )
     p2p_routes: str = setting(

@@ -21,7 +21,7 @@ import torch
 
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.channels import Channel, tag
-from nobubble.pipeline.links import Links
+from nobubble.pipeline.links import DATA_CHANNELS, Links
 from nobubble.pipeline.transport import MismatchedMessages, Work, active
 from nobubble.profiling import label
 
@@ -52,6 +52,7 @@ class PendingRecv:
     channel: Channel
     sequence: int
     device: torch.device  # where the receiver wants it (the buffer may be on the CPU)
+    dtype: torch.dtype  # in what (the buffer may hold the wire dtype)
 
     def __str__(self) -> str:
         """What it brings, short (the profiler's label of its wait): :func:`message_name`."""
@@ -75,8 +76,16 @@ class Messenger:
     still be waiting for first).
     """
 
-    def __init__(self, layout: ParallelLayout, timeout_s: float, links: Links) -> None:
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        timeout_s: float,
+        links: Links,
+        wire: torch.dtype | None = None,
+    ) -> None:
         self.layout, self.links, self.transport = layout, links, active()
+        # the dtype activations and gradients travel in (``p2p_dtype``); None: as they are
+        self.wire = wire
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.sends: list[tuple[Work, torch.Tensor]] = []
         self.waited_s = 0.0  # time blocked on peers: the stage's idle time
@@ -124,7 +133,7 @@ class Messenger:
         """Post the receive of a message from model stage ``peer`` for this process's stage of
         chunk ``chunk``."""
         on = torch.device("cpu") if self.links.on_cpu(channel) else device
-        buffer = torch.empty(shape, dtype=dtype, device=on)
+        buffer = torch.empty(shape, dtype=self._on_wire(dtype, channel), device=on)
         number = tag(channel, sequence, chunk, self.layout.chunks)
         receiver = self.layout.stages[chunk]
         group = self.links.group(channel, receiver, self._replica(replica))
@@ -138,7 +147,7 @@ class Messenger:
             raise self._failure(
                 f"posting {name}", self.layout.name(peer, replica), waited, exc
             ) from None
-        return PendingRecv(buffer, work, peer, replica, what, channel, sequence, device)
+        return PendingRecv(buffer, work, peer, replica, what, channel, sequence, device, dtype)
 
     def _replica(self, replica: int | None) -> int:
         return self.layout.replica if replica is None else replica
@@ -180,12 +189,19 @@ class Messenger:
         """What a send on ``channel`` posts: ``tensor``, in host memory where the link needs
         it (gloo sends from host memory; on NCCL only the control plane's messages, built on the
         CPU already)."""
+        tensor = tensor.to(self._on_wire(tensor.dtype, channel))
         return tensor.cpu() if self.links.on_cpu(channel) else tensor
+
+    def _on_wire(self, dtype: torch.dtype, channel: Channel) -> torch.dtype:
+        """The dtype a message of ``dtype`` on ``channel`` travels in: an activation or a
+        gradient in the wire dtype (the compute dtype under autocast: half the bytes of float32),
+        anything else as it is."""
+        return self.wire if self.wire is not None and channel in DATA_CHANNELS else dtype
 
     @staticmethod
     def _delivered(pending: PendingRecv) -> torch.Tensor:
-        """A received message on the device its receiver asked for."""
-        return pending.buffer.to(pending.device)
+        """A received message on the device, in the dtype, its receiver asked for."""
+        return pending.buffer.to(pending.device, pending.dtype)
 
     def _failure(self, doing: str, peer: str | None, waited: float, exc: Exception) -> PeerFailure:
         """The error for a wait that failed: a timeout, or a peer (named) that went away, or

@@ -66,7 +66,7 @@ from nobubble.pipeline.updates import Updates
 from nobubble.pipeline.warmup import collective_connections, connect, edge_connections
 from nobubble.profiling import OFF, action_label, labelled
 from nobubble.schedules import Action, ActionKind, schedule_spec
-from nobubble.stage_options import autocast, compile_ahead
+from nobubble.stage_options import autocast, compile_ahead, wire_dtype
 from nobubble.stage_report import StageReport
 from nobubble.staleness import weight_drift
 
@@ -113,7 +113,8 @@ class PipelineEngine:
         self.profiler = OFF  # profile_steps: set while training (nobubble.profiling.profiled)
         routes = resolve_links(cfg.p2p_routes, dist.get_backend(), active().emulated)
         links = Links.build(layout, routes)
-        self.messenger = Messenger(layout, cfg.p2p_timeout_s, links)
+        wire = wire_dtype(cfg.p2p_dtype, cfg.dtype, device)
+        self.messenger = Messenger(layout, cfg.p2p_timeout_s, links, wire)
         if cfg.p2p_warmup:
             chains = {stage: groups.chain for stage, groups in sharded.items()}
             connections = [
