@@ -186,6 +186,12 @@ UNUSED = [
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, False,
      {"p2p_timeout_s", "p2p_routes"}),
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, True, set()),
+    ({"group_timeout_s": 900.0, "p2p_warmup": False, "p2p_dtype": "float32"}, False,
+     {"group_timeout_s", "p2p_warmup", "p2p_dtype"}),
+    ({"group_timeout_s": 900.0, "p2p_warmup": False, "p2p_dtype": "float32", "stages": 2}, True,
+     set()),
+    ({"tf32": False, "device": "cpu"}, False, {"tf32"}),  # the CPU has no TF32
+    ({"tf32": False, "device": "auto"}, False, set()),
     ({"emulate_nccl": True, "dist_backend": "gloo"}, False, {"emulate_nccl", "dist_backend"}),
     ({"emulate_nccl": True, "dist_backend": "gloo", "stages": 2}, True, set()),
     ({"embed_cost": 2.0, "head_cost": 0.5}, False, {"embed_cost", "head_cost"}),

@@ -27,7 +27,7 @@ from nobubble.config.flags import OneLineParser
 from nobubble.configure import REGISTRY_NAMES, asks_for_auto, build_config
 from nobubble.corrections.auto import choose
 from nobubble.layout import first_process
-from nobubble.telling import Told, tell, user_errors
+from nobubble.run.telling import Told, tell, user_errors
 from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
 
 

@@ -43,7 +43,7 @@ from nobubble.pipeline.process_group import (
 from nobubble.pipeline.replicas import peer_failures
 from nobubble.pipeline.runtime import PipelineEngine
 from nobubble.resume import RunFinished
-from nobubble.telling import Told, tell
+from nobubble.run.telling import Told, tell
 
 T = TypeVar("T")
 
@@ -170,7 +170,7 @@ def tell_and_abort(error: BaseException) -> NoReturn:
     """Tell ``error`` first, then abort the process groups: NCCL's graceful close would wait
     for the receives posted ahead, which after an error may never complete, until the
     watchdog's timeout (:mod:`nobubble.pipeline.process_group`); the command exits with the
-    error's status (:class:`~nobubble.telling.Told`)."""
+    error's status (:class:`~nobubble.run.telling.Told`)."""
     code = tell(error)
     abort_process_group()
     raise Told(code) from error
