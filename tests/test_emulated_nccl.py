@@ -138,9 +138,9 @@ def test_without_the_warmup_the_lazy_connections_hang_step_0_and_name_the_first_
     assert result.returncode != 0
     error = result.stderr
     assert "was not done after 15s" in error and "Traceback" not in error
-    # each rank blocked in a first post of its own, each named
+    # a rank blocked in a first post (a receive posted ahead), and what its peer waits for
     assert "\nrank 0: waits for the connection for 'receive " in error
-    assert "\nrank 1: waits for the connection for 'receive " in error
+    assert "\nrank 1: waits for " in error
     assert "NCCL connects ranks on a group at their first operation there" in error
     assert (
         not (tmp_path / "hung" / "metrics.jsonl").exists()
