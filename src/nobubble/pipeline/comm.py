@@ -22,6 +22,7 @@ import torch
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.channels import Channel, tag
 from nobubble.pipeline.links import DATA_CHANNELS, Links
+from nobubble.pipeline.timing import WALL, Clock, Tally
 from nobubble.pipeline.transport import MismatchedMessages, Work, active
 from nobubble.profiling import label
 
@@ -74,6 +75,11 @@ class Messenger:
     stay outstanding and beyond that the oldest is waited for (its receiver takes messages in
     the order they were sent, and a window this deep is far older than any message a peer could
     still be waiting for first).
+
+    Every wait is timed by ``clock`` (the process device's, :mod:`~nobubble.pipeline.timing`)
+    into :attr:`waited`, the stage's idle time: on the CPU the time the CPU blocked; on CUDA the
+    time the current stream stood waiting for the message (or for the CPU, while a wait for a
+    message in host memory blocked it), read from events after the step.
     """
 
     def __init__(
@@ -82,13 +88,20 @@ class Messenger:
         timeout_s: float,
         links: Links,
         wire: torch.dtype | None = None,
+        clock: Clock = WALL,
     ) -> None:
         self.layout, self.links, self.transport = layout, links, active()
         # the dtype activations and gradients travel in (``p2p_dtype``); None: as they are
         self.wire = wire
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.sends: list[tuple[Work, torch.Tensor]] = []
-        self.waited_s = 0.0  # time blocked on peers: the stage's idle time
+        self.clock = clock
+        self.waited = Tally()  # time blocked on peers: the stage's idle time
+
+    @property
+    def waited_s(self) -> float:
+        """The idle time so far, every measurement read (outside actions only)."""
+        return self.waited.seconds
 
     def send(
         self,
@@ -153,7 +166,7 @@ class Messenger:
         return self.layout.replica if replica is None else replica
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
-        started = time.perf_counter()
+        started, stalled = time.perf_counter(), self.clock.mark()
         peer = self.layout.name(pending.peer, pending.replica)
         try:
             with label("wait", pending, "from", peer):
@@ -166,7 +179,7 @@ class Messenger:
                 exc,
             ) from None
         finally:
-            self.waited_s += time.perf_counter() - started
+            self.waited.add(self.clock.span(stalled))
         return self._delivered(pending)
 
     def _complete(self, work: Work, tensor: torch.Tensor) -> None:
@@ -243,7 +256,7 @@ class Messenger:
         self.sends = pending
 
     def _wait_sends(self, sends: list[tuple[Work, torch.Tensor]], labelled: bool = True) -> None:
-        started = time.perf_counter()
+        started, stalled = time.perf_counter(), self.clock.mark()
         try:
             with label("wait", len(sends), "sends") if labelled else contextlib.nullcontext():
                 for work, tensor in sends:
@@ -253,4 +266,4 @@ class Messenger:
             doing = "waiting for a message it sent to be received"
             raise self._failure(doing, None, waited, exc) from None
         finally:
-            self.waited_s += time.perf_counter() - started
+            self.waited.add(self.clock.span(stalled))

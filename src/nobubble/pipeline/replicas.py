@@ -10,13 +10,15 @@ forward needs it at once and the reduction is on the critical path. Both are mea
 how long the reduction took (start to completion, reported by the backend) and how long the stage
 waited for it.
 
-On CUDA both are GPU times from CUDA events, not CPU clocks: NCCL's future completes once the
-all-reduce is queued, and the CPU runs ahead of the GPU, so a CPU clock would time the queue, not
-the transfer. The all-reduce's time runs from the point of the compute stream where it was
-started to its completion (a side stream that waits for it records the end); the wait is how long
-the compute stream stalled on it. On gloo with CUDA tensors (``dist_backend=gloo``) that wait
-holds the CPU until the sum is done (gloo reduces in host memory), so there the all-reduce does
-not run behind compute.
+Both are measured by the clock of the gradient's device (:mod:`nobubble.pipeline.timing`): on
+the CPU the wall clock (the completion as gloo's future reports it); on CUDA events, not CPU
+clocks: NCCL's future completes once the all-reduce is queued, and the CPU runs ahead of the
+GPU, so a CPU clock would time the queue, not the transfer. The all-reduce's time runs from the
+point of the compute stream where it was started to its completion (a side stream that waits for
+it records the end); the wait is how long the compute stream stood idle on it. Both are read
+after the step, never inside an action. On gloo with CUDA tensors (``dist_backend=gloo``) that
+wait holds the CPU until the sum is done (gloo reduces in host memory), so there the all-reduce
+does not run behind compute, and both are the wall clock's.
 
 The all-reduces are posted through the process's transport (:mod:`nobubble.pipeline.transport`),
 so under ``emulate_nccl`` they queue with the rest of their group's operations, as on NCCL.
@@ -26,15 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.comm import PeerFailure
+from nobubble.pipeline.timing import Completion, EventCompletion, Mark, Span, Tally, clock_for
 from nobubble.pipeline.transport import Work, active
 from nobubble.profiling import label
 
@@ -55,9 +57,8 @@ class PendingReduction:
     works: list[Work]
     bucket: torch.Tensor
     figures: torch.Tensor | None
-    started: float
-    done: list[float] = field(default_factory=list)  # completion time, set by the backend
-    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: start, completion
+    started: Mark
+    completed: Completion | EventCompletion  # when the gradient's all-reduce completes
 
 
 class ReplicaReduction:
@@ -77,13 +78,30 @@ class ReplicaReduction:
     ) -> None:
         self.group, self.dp, self.name, self.what, self.short = group, dp, name, what, short
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.duration_s = 0.0  # start to completion, summed over steps
-        self.waited_s = 0.0  # the part of it the stage spent blocked
+        self.backend = dist.get_backend(group)
+        self.duration = Tally()  # start to completion, summed over steps
+        self.waited = Tally()  # the part of it the stage spent blocked
         self.bytes = 0  # gradient bytes this rank contributed to all-reduces
         # the latest all-reduce's time and wait: at the end of a run the last one is waited for
         # with no compute left to hide behind, which the benchmark leaves out of its figures
-        self.last_s, self.last_wait_s = 0.0, 0.0
-        self._side: torch.cuda.Stream | None = None  # CUDA: records the all-reduces' completion
+        self.last: Span | None = None
+        self.last_wait: Span | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return self.duration.seconds
+
+    @property
+    def waited_s(self) -> float:
+        return self.waited.seconds
+
+    @property
+    def last_s(self) -> float:
+        return self.last.seconds() if self.last else 0.0
+
+    @property
+    def last_wait_s(self) -> float:
+        return self.last_wait.seconds() if self.last_wait else 0.0
 
     def start(
         self, step: int, params: list[torch.nn.Parameter], figures: torch.Tensor | None
@@ -94,19 +112,13 @@ class ReplicaReduction:
         bucket = torch.cat([g.reshape(-1) for g in grads])
         for param in params:  # the bucket holds them now; finish() hands back views of it
             param.grad = None
-        began = _recorded_event() if bucket.is_cuda else None
-        started = time.perf_counter()
+        clock = clock_for(bucket.device, self.backend)
+        started = clock.mark()
         works = [self._all_reduce(bucket, f"{self.short} (step {step + 1})")]
         if figures is not None:
             works.append(self._all_reduce(figures, f"{self.short}'s figures (step {step + 1})"))
-        pending = PendingReduction(step, works, bucket, figures, started)
-        if began is not None:
-            self._side = self._side or torch.cuda.Stream(bucket.device)
-            with torch.cuda.stream(self._side):
-                works[0].wait()  # NCCL: the side stream waits for the all-reduce, not the CPU
-                pending.events = (began, _recorded_event())
-        else:
-            works[0].get_future().then(lambda _: pending.done.append(time.perf_counter()))
+        completed = clock.completion(works[0])
+        pending = PendingReduction(step, works, bucket, figures, started, completed)
         self.bytes += bucket.numel() * bucket.element_size()
         return pending
 
@@ -115,23 +127,15 @@ class ReplicaReduction:
     ) -> torch.Tensor | None:
         """Wait for ``pending``; put the averaged gradients on ``params``; return the figures
         averaged over the replicas (None if none were given)."""
-        stalled = _recorded_event() if pending.events else None
-        started = time.perf_counter()
+        clock = clock_for(pending.bucket.device, self.backend)
+        stalled = clock.mark()
         with label("wait", self.short, "step", pending.step + 1):
             self._wait(pending.works, f"{self.what} (step {pending.step})")
-        if pending.events:
-            resumed = _recorded_event()
-            torch.cuda.current_stream().synchronize()
-            began, ended = pending.events
-            ended.synchronize()
-            self.last_wait_s = stalled.elapsed_time(resumed) / 1e3
-            self.last_s = began.elapsed_time(ended) / 1e3
-        else:
-            finished = time.perf_counter()
-            self.last_wait_s = finished - started
-            self.last_s = (pending.done[0] if pending.done else finished) - pending.started
-        self.waited_s += self.last_wait_s
-        self.duration_s += self.last_s
+        resumed = clock.mark()
+        self.last_wait = Span(stalled, resumed)
+        self.last = Span(pending.started, pending.completed.at(resumed))
+        self.waited.add(self.last_wait)
+        self.duration.add(self.last)
         bucket = pending.bucket.div_(self.dp)
         offset = 0
         for param in params:
@@ -211,10 +215,3 @@ def peer_failure(name: str, what: str, exc: RuntimeError) -> PeerFailure:
         "stuck (its own error, in its log or above, says why); raise p2p_timeout_s if "
         f"it is only slow. Transport said: {exc}"
     )
-
-
-def _recorded_event() -> torch.cuda.Event:
-    """A timing event recorded on the current CUDA stream."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event

@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -61,6 +61,7 @@ from nobubble.pipeline.plan import RECV_AHEAD, Plan
 from nobubble.pipeline.replicas import peer_failures, replica_rows
 from nobubble.pipeline.shards import stage_groups
 from nobubble.pipeline.stats import StepStatistics
+from nobubble.pipeline.timing import Tally, clock_for
 from nobubble.pipeline.transport import active
 from nobubble.pipeline.updates import Updates
 from nobubble.pipeline.warmup import collective_connections, connect, edge_connections
@@ -114,7 +115,8 @@ class PipelineEngine:
         routes = resolve_links(cfg.p2p_routes, dist.get_backend(), active().emulated)
         links = Links.build(layout, routes)
         wire = wire_dtype(cfg.p2p_dtype, cfg.dtype, device)
-        self.messenger = Messenger(layout, cfg.p2p_timeout_s, links, wire)
+        self.clock = clock_for(device)  # how this process measures a duration
+        self.messenger = Messenger(layout, cfg.p2p_timeout_s, links, wire, self.clock)
         if cfg.p2p_warmup:
             chains = {stage: groups.chain for stage, groups in sharded.items()}
             connections = [
@@ -131,13 +133,14 @@ class PipelineEngine:
             cfg, layout, self.messenger, device, self.held, self.hidden_shape, val_batches
         )
         self.step = 0
-        self.train_wall_s = self.train_idle_s = 0.0
+        self.train_wall_s = 0.0
+        self.train_idle = Tally()  # the messenger's waits while training
         # the peak memory of the training segments (on CUDA each one's own, from its start: an
         # evaluation or a checkpoint between them, where replica 0 gathers a sharded state
         # whole, is not training's)
         self.train_peak_mb = 0.0
         # per (model stage, action kind): time spent running its actions, blocked time left out
-        self.action_s: dict[tuple[int, ActionKind], float] = {}
+        self.action_times: dict[tuple[int, ActionKind], Tally] = {}
         compile_ahead(  # compile=true: every stage compiled before step 0, then a barrier
             [held.module for held in self.held.values()],
             cfg,
@@ -146,6 +149,12 @@ class PipelineEngine:
             torch.float32,  # what activations and gradients arrive in (post_receives)
             self.barrier,
         )
+
+    @property
+    def train_idle_s(self) -> float:
+        """The time blocked on pipeline peers while training (outside actions only: on CUDA it
+        reads the events)."""
+        return self.train_idle.seconds
 
     def barrier(self) -> None:
         """Wait for every rank; one that exited (its connection closed) or is stuck is a
@@ -175,20 +184,21 @@ class PipelineEngine:
         run = _Segment(self, next_batch, on_step)
         if self.device.type == "cuda":  # this segment's peak: no evaluation's, no checkpoint's
             torch.cuda.reset_peak_memory_stats(self.device)
-        started, waited = time.perf_counter(), self.messenger.waited_s
+        started = time.perf_counter()
         at: Action | None = None  # the action running or about to
         try:
-            while (at := plan.peek()) is not None:
-                self._run(run, plan, at, should_stop)
-            run.updates.finish_all()
-            self.control.count_remaining_votes()
-            self.messenger.drain()
+            with self.messenger.waited.copied_to(self.train_idle):
+                while (at := plan.peek()) is not None:
+                    self._run(run, plan, at, should_stop)
+                run.updates.finish_all()
+                self.control.count_remaining_votes()
+                self.messenger.drain()
         except Exception as error:
             if error is not run.callers_error:
                 self._show_schedule(error, plan, at or run.last)
             raise
+        self.settle_times(wait=True)  # on CUDA: the segment's work done before its clock stops
         self.train_wall_s += time.perf_counter() - started
-        self.train_idle_s += self.messenger.waited_s - waited
         self.train_peak_mb = max(self.train_peak_mb, peak_memory_mb(self.device))
 
     def _run(
@@ -197,6 +207,7 @@ class PipelineEngine:
         """Run ``action``, the next of ``plan``: first, at a step's first action, learn whether
         the step runs (if not, cut the plan there)."""
         if action.step > run.cleared:  # this stage's first action of the step
+            self.settle_times(wait=False)
             self.profiler.before_step(action.step)
             if not self.control.clear(action.step, should_stop):
                 plan.stop_at(action.step)
@@ -205,12 +216,14 @@ class PipelineEngine:
         run.updates.advance()
         run.updates.finish_before(action)
         run.post_receives(plan.ahead(RECV_AHEAD))
-        began, blocked = time.perf_counter(), self.blocked_s()
-        with action_label(action):
-            run.execute(action)
-        took = time.perf_counter() - began - (self.blocked_s() - blocked)
-        key = (action.stage, action.kind)
-        self.action_s[key] = self.action_s.get(key, 0.0) + took
+        took = self.action_times.setdefault((action.stage, action.kind), Tally())
+        began = self.clock.mark()
+        with ExitStack() as blocked:
+            for waits in self.waits():  # blocked time is not the action's
+                blocked.enter_context(waits.copied_to(took, -1.0))
+            with action_label(action):
+                run.execute(action)
+        took.add(self.clock.span(began))
         run.last = action
         plan.pop()
 
@@ -225,14 +238,27 @@ class PipelineEngine:
             picture = f"(no picture of the schedule: {type(failed).__name__}: {failed})"
         add_schedule(error, picture)
 
-    def blocked_s(self) -> float:
-        """Time blocked so far on pipeline peers, data-parallel and tied all-reduces."""
-        blocked = self.messenger.waited_s
+    def waits(self) -> list[Tally]:
+        """Where time blocked is counted: on pipeline peers, data-parallel and tied all-reduces,
+        sharded updates' chains."""
+        waits = [self.messenger.waited]
         for held in self.held.values():
-            blocked += held.reduction.waited_s if held.reduction else 0.0
-            blocked += held.tied.waited_s if held.tied else 0.0
-            blocked += held.shards.wait_s if held.shards else 0.0
-        return blocked
+            waits += [held.reduction.waited] if held.reduction else []
+            waits += [held.tied.waited] if held.tied else []
+            waits += [held.shards.waited] if held.shards else []
+        return waits
+
+    def settle_times(self, wait: bool) -> None:
+        """Read the measurements taken so far (:mod:`~nobubble.pipeline.timing`): at a step's
+        first action those done already (never waiting for the device), at a segment's end
+        all of them."""
+        tallies = [self.train_idle, *self.action_times.values(), *self.waits()]
+        for held in self.held.values():
+            tallies += [held.reduction.duration] if held.reduction else []
+            tallies += [held.tied.duration] if held.tied else []
+            tallies += [held.shards.comm] if held.shards else []
+        for tally in tallies:
+            tally.settle(wait)
 
     def stage_reports(self, digests: bool = True) -> list[dict[str, Any]] | None:
         """Every rank's :class:`~nobubble.stage_report.StageReport` so far in this session,
@@ -248,6 +274,10 @@ class PipelineEngine:
         state (``zero`` > 0) the chain of the update replaces the all-reduce: ``zero_comm_s``,
         ``zero_comm_wait_s``, ``zero_comm_mb`` and the last ones alike, and ``zero_owned`` names
         the parameters this replica owns whole (:class:`nobubble.sharding.ShardPlan`).
+
+        Every time is measured by the device's clock (:mod:`nobubble.pipeline.timing`): the wall
+        clock on the CPU; on CUDA events on the compute stream, so idle is the time the stream
+        stood waiting and ``action_s`` the stream's time for the work an action queued.
         """
         held = list(self.held.values())
         reductions = [h.reduction for h in held if h.reduction and not h.shards]
@@ -256,8 +286,8 @@ class PipelineEngine:
         idle = self.train_idle_s + sum(r.waited_s for r in reductions)
         idle += sum(h.tied.waited_s for h in tied) + sum(c.wait_s for c in chains)
         action_s: dict[str, dict[str, float]] = {}
-        for (stage, kind), seconds in sorted(self.action_s.items()):
-            action_s.setdefault(str(stage), {})[kind.value] = seconds
+        for (stage, kind), took in sorted(self.action_times.items()):
+            action_s.setdefault(str(stage), {})[kind.value] = took.seconds
         report = StageReport(
             pp_rank=self.layout.pp_rank,
             model_stages=self.layout.stages,

@@ -39,16 +39,18 @@ poll (torch 2.13), it is an all-to-all of the bucket's segments and a sum of the
 segments in replica order: the bytes of a reduce-scatter, with a second bucket held while it
 runs.
 
-The times are the CPU's: start to completion of every collective (reported by the backend on
-gloo), and the time the stage blocked on them. On CUDA the completion is noticed, not measured,
-so the figures there are upper bounds of the transfer and lower bounds of the stall.
+The times are taken by the clock of the bucket's device (:mod:`nobubble.pipeline.timing`): each
+collective's start to completion, and the time the stage blocked on them. On the CPU the wall
+clock (the completion as gloo's future reports it, else as noticed) and the time the CPU
+blocked; on CUDA events: from the point of the compute stream where the collective was started
+to its completion (recorded by a side stream that waits for it), and the time the compute stream
+stood idle waiting; read after the step, never while the chain moves on between two actions.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -67,6 +69,7 @@ from nobubble.pipeline.replicas import (
     peer_failures,
     wait_for,
 )
+from nobubble.pipeline.timing import Completion, EventCompletion, Mark, Span, Tally, clock_for
 from nobubble.pipeline.transport import Launch, Work, active
 from nobubble.profiling import label
 from nobubble.sharding import ShardPlan, state_to
@@ -99,10 +102,10 @@ class ShardedStep:
     norms: list[torch.Tensor] = field(default_factory=list)
     figures: HostCopy | None = None  # the sums and the norms, on their way to the host
     read: list[float] | None = None  # the sums, read on the host
-    started: float = 0.0  # the phase's collective's start (CPU clock)
-    done: list[float] = field(default_factory=list)  # its completion, set by the backend
-    comm_s: float = 0.0  # the chain's collectives, start to completion, summed
-    wait_s: float = 0.0  # the time the stage blocked on them
+    started: Mark = 0.0  # the phase's collective's start
+    completed: Completion | EventCompletion | None = None  # when it completes
+    comm: Tally = field(default_factory=Tally)  # the chain's collectives, start to completion
+    waited: Tally = field(default_factory=Tally)  # the time the stage blocked on them
 
 
 class ShardedUpdate:
@@ -130,9 +133,11 @@ class ShardedUpdate:
         self.reduced_names = reduced
         # zero=2 on gloo: an all-to-all and a local sum (gloo's reduce-scatter cannot be polled)
         self.exchanges = dist.get_backend(group) == "gloo"
-        self.comm_s = self.wait_s = 0.0  # summed over steps
+        device = next(iter(trained.params.values())).device
+        self.clock = clock_for(device, dist.get_backend(group))
+        self.comm, self.waited = Tally(), Tally()  # summed over steps
         self.bytes = 0  # bytes this rank put into the chains' collectives
-        self.last_s = self.last_wait_s = 0.0  # the latest chain's (the run's last, at its end)
+        self.last, self.last_waited = Tally(), Tally()  # the latest chain's (the run's last)
 
     # -- the chain ------------------------------------------------------------------------------
 
@@ -281,9 +286,7 @@ class ShardedUpdate:
             self.gathered.unpack(pending.buffer, targets)
         pending.buffer = pending.sent = None
         pending.phase = Phase.DONE
-        self.comm_s += pending.comm_s
-        self.wait_s += pending.wait_s
-        self.last_s, self.last_wait_s = pending.comm_s, pending.wait_s
+        self.last, self.last_waited = pending.comm, pending.waited
 
     # -- collectives and their times ------------------------------------------------------------
 
@@ -294,26 +297,37 @@ class ShardedUpdate:
         return active().collective(self.group, launch, f"{self.name}: {what}", tensor.device)
 
     def _began(self, pending: ShardedStep, works: list[Work], nbytes: int) -> None:
-        pending.works, pending.started, pending.done = works, time.perf_counter(), []
+        """``works`` (the phase's collectives, the timed one first) have started."""
+        pending.works, pending.started = works, self.clock.mark()
+        pending.completed = self.clock.completion(works[0])
         self.bytes += nbytes
-        try:
-            done = pending.done
-            works[0].get_future().then(lambda _: done.append(time.perf_counter()))
-        except RuntimeError:  # no future on this backend: the completion as noticed
-            pass
 
     def _wait(self, pending: ShardedStep, works: list[Work], block: bool) -> None:
         """Wait for ``works`` (complete already unless ``block``), counting the time blocked and
         the collective's own time."""
-        began = time.perf_counter()
+        began = self.clock.mark()
         with label("wait", pending.phase.name.lower(), "step", pending.step + 1):
             wait_for(works, self.timeout, self.name, f"{pending.phase.value} (step {pending.step})")
-        now = time.perf_counter()
+        now = self.clock.mark()
         if block:
-            pending.wait_s += now - began
+            self._count(self.waited, pending.waited, Span(began, now))
         if pending.works:
-            pending.comm_s += (pending.done[0] if pending.done else now) - pending.started
+            self._count(self.comm, pending.comm, Span(pending.started, pending.completed.at(now)))
         pending.works = []
+
+    @staticmethod
+    def _count(total: Tally, chain: Tally, span: Span) -> None:
+        """``span`` into the stage's ``total`` and the chain's own."""
+        total.add(span)
+        chain.add(span)
+
+    @property
+    def comm_s(self) -> float:
+        return self.comm.seconds
+
+    @property
+    def wait_s(self) -> float:
+        return self.waited.seconds
 
     def gather_state(self, state: NamedState, group: dist.ProcessGroup) -> NamedState | None:
         """The whole optimizer and correction state of the stage from every replica's part
@@ -326,9 +340,8 @@ class ShardedUpdate:
 
     def report(self, prefix: str) -> dict[str, float]:
         """The chains' measurements for a stage report, keys starting ``prefix``."""
-        return comm_report(
-            prefix, self.comm_s, self.wait_s, self.bytes, self.last_s, self.last_wait_s
-        )
+        last, last_waited = self.last.seconds, self.last_waited.seconds
+        return comm_report(prefix, self.comm_s, self.wait_s, self.bytes, last, last_waited)
 
 
 @dataclass(frozen=True)
