@@ -283,7 +283,7 @@ def _engine_that_fails(_: int, port: int, results) -> None:
     from nobubble.pipeline.runtime import PipelineEngine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    process_group.open_process_group("gloo", torch.device("cpu"), 0, 1, 120.0)
+    process_group.open_process_group("gloo", torch.device("cpu"), 0, 1, 120.0, 120.0)
     cfg = build_config(parse_overrides(SMALL), {"schedule": "1f1b", "microbatches": 2})
     mc = model_config(cfg, 64)
 
@@ -351,7 +351,7 @@ def _peak_left_out_after_training(_: int, port: int, results) -> None:
     from nobubble.pipeline.runtime import PipelineEngine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    process_group.open_process_group("gloo", torch.device("cpu"), 0, 1, 120.0)
+    process_group.open_process_group("gloo", torch.device("cpu"), 0, 1, 120.0, 120.0)
     cfg = build_config(parse_overrides(SMALL), {"schedule": "1f1b", "microbatches": 2})
     engine = PipelineEngine(
         cfg, model_config(cfg, 64), torch.device("cpu"), 1, ParallelLayout(pp=1, rank=0)
