@@ -13,14 +13,18 @@ STAGES = 2  # pipeline stages of every run: the layouts vary dp, zero and the tr
 STEPS = 80
 CHECKPOINT_EVERY = 10
 # The settings every run shares, its twin included: a model small enough for 4 processes on 2
-# cores, long enough (a few seconds of steps) for a fault to land in the middle, and a peer
-# timeout short enough that a stopped rank is given up on within the run's minute.
+# cores, long enough (a few seconds of steps) for a fault to land in the middle, and timeouts
+# short enough that a stopped rank is given up on within the run's minute: the peer timeout for
+# a message, the groups' timeout for a barrier or a gather (a checkpoint's, an evaluation's),
+# whose default (30 minutes) leaves room for a large checkpoint's fsync.
 P2P_TIMEOUT_S = 20
+GROUP_TIMEOUT_S = 60
 SETTINGS = (
     "d_model=32", "n_layers=4", "n_heads=4", "n_kv_heads=2", "d_ff=64", "seq_len=32",
     "batch_size=8", "microbatches=2", "eval_batches=1", "threads=1", "lr=3e-3",
     "warmup_steps=2", f"stages={STAGES}", f"steps={STEPS}", "eval_every=20",
     f"checkpoint_every={CHECKPOINT_EVERY}", "keep_checkpoints=3", f"p2p_timeout_s={P2P_TIMEOUT_S}",
+    f"group_timeout_s={GROUP_TIMEOUT_S}",
 )  # fmt: skip
 
 SCHEDULES = ("2bw", "1f1b")
