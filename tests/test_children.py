@@ -147,6 +147,10 @@ TOY = [
 ]  # fmt: skip
 
 
+def _default_interrupt() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Launched:
     """The commands a test starts, each in a session of its own, and every process seen below
     them; what is left of them when the test ends (one that failed) is killed."""
@@ -164,6 +168,10 @@ class Launched:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            # as a terminal starts a command: a suite started in the background of a
+            # non-interactive shell ignores SIGINT, which its children would inherit (and bash
+            # cannot trap a signal ignored when it starts)
+            preexec_fn=_default_interrupt,
         )
         self.commands.append(command)
         return command
