@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline.channels import Channel, tag
-from nobubble.pipeline.comm import Messenger, PeerFailure
-from nobubble.pipeline.replicas import peer_failure
+from nobubble.pipeline.comm import Messenger
+from nobubble.pipeline.replicas import peer_failures
 from nobubble.pipeline.transport import Transport, Work
 
 ORDER_EDGES, ORDER_TIED, ORDER_REPLICAS, ORDER_CHAINS = range(4)  # the order's first key
@@ -82,12 +82,12 @@ def collective_connections(
 
 def connect(messenger: Messenger, connections: Iterable[Connection], device: torch.device) -> None:
     """Make the first operation of each of ``connections``, in their order, and wait for it.
-    A peer that does not answer within ``p2p_timeout_s`` (or
-    exited) is a :class:`PeerFailure` naming the group."""
+    A peer that does not answer within ``p2p_timeout_s`` (or exited) is a
+    :class:`PeerFailure` naming the group."""
     transport, rank, me = messenger.transport, messenger.layout.rank, messenger.layout.name()
     for connection in sorted(connections, key=lambda c: c.order):
         what = f"the first operation on {connection.what} (p2p_warmup)"
-        try:
+        with peer_failures(me, what):
             if connection.sender is None:
                 work = _all_reduce(transport, connection.group, device, what)
             elif connection.sender == rank:
@@ -97,10 +97,6 @@ def connect(messenger: Messenger, connections: Iterable[Connection], device: tor
                 buffer = torch.empty(1, device=_message_device(messenger, device))
                 work = transport.recv(buffer, connection.sender, connection.group, TAG, what)
             work.wait(messenger.timeout)
-        except PeerFailure:  # the transport's own, already saying who
-            raise
-        except RuntimeError as exc:
-            raise peer_failure(me, what, exc) from None
 
 
 TAG = tag(Channel.CONNECT, 0)
