@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.flops import matmul_weights
 from nobubble.model.layers import Stage, build_model, lm_loss
-from nobubble.model.moe import MoE, balance_routers, routing_metrics
+from nobubble.model.moe import MoE, balance_routers, grouped_dispatch, routing_metrics
 from nobubble.model.partition import StageSpec
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
@@ -254,3 +254,75 @@ def test_the_cost_model_computes_with_active_weights_and_holds_every_expert():
     (dense_whole,) = stage_costs(dense, 1, seq_len=2048, microbatch_size=1)
     router_flops = 2 * mc.n_layers * mc.moe_experts * mc.d_model * 2048
     assert whole.forward_flops == dense_whole.forward_flops + router_flops
+
+
+def dispatched(moe: MoE, dtype: torch.dtype, grouped: bool) -> list[torch.Tensor]:
+    """The expert outputs, loads and drops of 10 tokens routed 2 each, expert 1 chosen by none,
+    then the gradients of a weighted sum of the outputs for the tokens and the expert weights."""
+    gen = torch.Generator().manual_seed(6)
+    flat = torch.randn(10, moe.w_gate.shape[2], generator=gen, requires_grad=True)
+    expert_of = torch.tensor([0, 2] * 7 + [2, 3] * 3)
+    priority = torch.rand(20, generator=gen)
+    moe.zero_grad(set_to_none=True)
+    out, loads, dropped = moe._experts(flat, expert_of, priority, dtype, grouped)
+    (out.float() * torch.randn(out.shape, generator=gen)).sum().backward()
+    return [out, loads, dropped, flat.grad, moe.w_gate.grad, moe.w_up.grad, moe.w_down.grad]
+
+
+@pytest.mark.parametrize("capacity", [0.0, 0.75], ids=["dropless", "capacity"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_gemm_dispatch_equals_the_loop_bitwise(capacity, dtype):
+    """Outputs, loads, drops and gradients: loads 7, 0, 10, 3 and with a capacity of
+    ⌈0.75·20/4⌉ = 4 nine drops. Uninitialized memory is NaN here (deterministic mode), so rows
+    the grouped GEMM leaves unwritten (past the last group, the dropped ones) would show."""
+    moe = layer(experts=4, top_k=2, capacity=capacity, d=8, f=16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        grouped, looped = dispatched(moe, dtype, True), dispatched(moe, dtype, False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert grouped[1].tolist() == [7, 0, 10, 3]
+    assert grouped[2].item() == (9 if capacity else 0)
+    assert grouped[0].dtype == dtype and not grouped[0].isnan().any()
+    names = ["out", "loads", "dropped", "x", "gate", "up", "down"]
+    for a, b, name in zip(grouped, looped, names, strict=True):
+        assert torch.equal(a, b), name
+
+
+class Looped(Exception):
+    """Raised in place of the loop's dispatch."""
+
+
+def test_a_layer_takes_the_grouped_gemm_in_bfloat16_with_aligned_widths(monkeypatch):
+    def loop(*args):
+        raise Looped
+
+    monkeypatch.setattr(MoE, "_looped", loop)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(d=8, f=16)(x).sum().backward()  # grouped: never reaches the loop
+        with pytest.raises(Looped):
+            layer(d=8, f=12)(x)  # 12 bfloat16 values are 24 bytes: a stride off 16 bytes
+    with pytest.raises(Looped):
+        layer(d=8, f=16)(x)  # float32
+
+
+@pytest.mark.parametrize(
+    ("device", "major", "dtype", "widths", "grouped"),
+    [
+        ("cpu", None, torch.bfloat16, (8, 16), True),
+        ("cpu", None, torch.float32, (8, 16), False),
+        ("cpu", None, torch.bfloat16, (8, 20), False),
+        ("cpu", None, torch.bfloat16, (12, 16), False),
+        ("cuda", 9, torch.bfloat16, (960, 1280), True),  # H100: torch's grouped kernel
+        ("cuda", 10, torch.bfloat16, (960, 1280), True),
+        ("cuda", 8, torch.bfloat16, (960, 1280), False),  # A100: torch would copy the offsets
+        ("cuda", 9, torch.float32, (960, 1280), False),
+    ],
+)
+def test_the_dispatch_rule(monkeypatch, device, major, dtype, widths, grouped):
+    """Which dispatch a layer takes (docs/moe.md): a stand-in for a GPU's properties."""
+    properties = type("Properties", (), {"major": major})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: properties)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert grouped_dispatch(*widths, torch.device(device), dtype) is grouped

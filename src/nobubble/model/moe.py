@@ -11,6 +11,12 @@ Capacity (``moe_capacity_factor`` c > 0): an expert takes at most ⌈c·N·k/E�
 assignments, those with the highest p first; the others are dropped (that expert adds nothing
 for that token, whose residual passes on). c = 0 is dropless.
 
+Dispatch: the assignments are sorted by expert and each expert multiplies its contiguous rows,
+by torch's grouped GEMM with the groups' ends on the device where it runs without a host read
+(bfloat16, widths multiples of 8, a CPU or an H100/B200-class GPU: :func:`grouped_dispatch`),
+else by a loop over the experts that reads their loads on the host (on a GPU one sync per layer
+and microbatch). Both compute the same products: the results are equal bit for bit.
+
 Load balancing, either or both:
 
 - the auxiliary loss (``moe_aux_coef`` α): per MoE layer and microbatch, α·E·Σₑ fₑ·Pₑ, with fₑ the
@@ -46,6 +52,7 @@ BALANCE_BIAS = "balance_bias"  # the parameter name of a layer's balance bias
 # Σ aux loss (unscaled) over microbatches, microbatches, tokens
 ROUTING_FIELDS = ("dropped", "entropy", "aux", "microbatches", "tokens")
 Routing = dict[int, torch.Tensor]  # block index -> its routing sums (loads, then ROUTING_FIELDS)
+GROUPED_GEMM_MAJORS = (9, 10)  # the CUDA compute capabilities of torch's grouped GEMM kernel
 
 
 class RoutingTap(torch.autograd.Function):
@@ -109,7 +116,12 @@ class MoE(nn.Module):
             chosen = scores.topk(k, dim=-1).indices  # (n, k)
         picked = probs.gather(1, chosen)
         gates = picked / picked.sum(dim=-1, keepdim=True) if k > 1 else picked
-        routed, loads, dropped = self._experts(flat, chosen.reshape(-1), picked.detach())
+        dtype = self.compute_dtype(flat.device)
+        f, d = self.w_gate.shape[1:]
+        grouped = grouped_dispatch(d, f, flat.device, dtype)
+        routed, loads, dropped = self._experts(
+            flat, chosen.reshape(-1), picked.detach(), dtype, grouped
+        )
         out = (routed.view(n, k, -1) * gates.unsqueeze(-1).to(routed.dtype)).sum(dim=1)
         if self.shared is not None:
             out = out + self.shared(flat)
@@ -126,42 +138,110 @@ class MoE(nn.Module):
             aux = aux.detach()
         return RoutingTap.apply(out.view(shape), aux, self, stats)
 
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the experts multiply in on ``device``: autocast's where it is on (so both
+        dispatches cast to it explicitly, as autocast would), else the weights'."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.w_gate.dtype
+
     def _experts(
-        self, flat: torch.Tensor, expert_of: torch.Tensor, priority: torch.Tensor
+        self,
+        flat: torch.Tensor,
+        expert_of: torch.Tensor,
+        priority: torch.Tensor,
+        dtype: torch.dtype,
+        grouped: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every assignment's expert output, in assignment order (token-major, then rank):
         zero where it was dropped. Also the load of every expert (before dropping) and how many
         assignments were dropped.
 
-        Assignments are sorted by expert (within one, highest probability first), each expert
-        multiplies its contiguous rows, and the rows go back by the inverse permutation: every
-        gather and scatter is a permutation, so the backward accumulates nothing by atomics.
+        Assignments are sorted by expert (within one, highest probability first), those past
+        their expert's capacity after all the others; each expert multiplies its contiguous
+        kept rows in ``dtype`` (:meth:`_grouped` if ``grouped``, else :meth:`_looped`), and the
+        rows go back by the inverse permutation: every gather and scatter is a permutation, so
+        the backward accumulates nothing by atomics. All of it but the loop runs on the device.
         """
         n, d = flat.shape
         k = expert_of.numel() // n
         by_score = torch.argsort(priority.reshape(-1), descending=True, stable=True)
         order = by_score[torch.argsort(expert_of[by_score], stable=True)]
-        loads = torch.bincount(expert_of, minlength=self.experts)
+        loads = expert_of.new_zeros(self.experts).scatter_add_(
+            0, expert_of, torch.ones_like(expert_of)
+        )
         kept = loads
         if self.capacity_factor > 0:
             capacity = math.ceil(self.capacity_factor * n * k / self.experts)
             kept = loads.clamp(max=capacity)
-        rows = flat.unsqueeze(1).expand(n, k, d).reshape(n * k, d)[order]
-        pieces, start = [], 0
-        # the loads set the shapes: one device-to-host copy per layer and microbatch, as in any
-        # dropless MoE without grouped-GEMM kernels
-        for expert, (load, keep) in enumerate(torch.stack([loads, kept], dim=1).tolist()):
-            if keep:
-                part = rows[start : start + keep]
-                hidden = F.silu(part @ self.w_gate[expert].T) * (part @ self.w_up[expert].T)
-                pieces.append(hidden @ self.w_down[expert].T)
-            if load > keep:
-                pieces.append(rows.new_zeros(load - keep, d))
-            start += load
-        out = torch.cat(pieces) if pieces else rows.new_zeros(0, d)
+            # each assignment's place among its expert's (0: the most probable one); those at
+            # the capacity or past it move behind every kept one, in the same order
+            firsts = loads.cumsum(0) - loads
+            place = torch.arange(n * k, device=order.device) - firsts[expert_of[order]]
+            order = order[torch.argsort(place >= capacity, stable=True)]
+        rows = flat.unsqueeze(1).expand(n, k, d).reshape(n * k, d)[order].to(dtype)
+        weights = [w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down)]
+        out = (self._grouped if grouped else self._looped)(rows, kept, *weights)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return out[inverse], loads, (loads - kept).sum()
+
+    def _grouped(
+        self, rows: torch.Tensor, kept: torch.Tensor, *weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' SwiGLU on their rows (``kept[e]`` for expert e, then the dropped rows)
+        by torch's grouped GEMM, the groups' ends on the device: no host read. The kernel
+        neither reads nor writes the rows past the last group, forward or backward, so with a
+        capacity they are zeroed on the way in and out."""
+        w_gate, w_up, w_down = weights
+        ends = kept.cumsum(0)
+        offs = ends.to(torch.int32)
+
+        def times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x[rows of e] @ w[e]ᵀ
+            return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+        inside = None
+        if self.capacity_factor > 0:
+            inside = (torch.arange(rows.shape[0], device=rows.device) < ends[-1]).unsqueeze(1)
+            rows = torch.where(inside, rows, 0)
+        out = times(F.silu(times(rows, w_gate)) * times(rows, w_up), w_down)
+        return out if inside is None else torch.where(inside, out, 0)
+
+    def _looped(
+        self, rows: torch.Tensor, kept: torch.Tensor, *weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The fallback of :meth:`_grouped`, the same products: each expert on a slice of the
+        rows sized on the host, so it reads ``kept`` on the host, a device-to-host copy (on a
+        GPU a sync) per layer and microbatch."""
+        w_gate, w_up, w_down = weights
+        pieces, start = [], 0
+        for expert, keep in enumerate(kept.tolist()):
+            if keep:
+                part = rows[start : start + keep]
+                hidden = F.silu(part @ w_gate[expert].T) * (part @ w_up[expert].T)
+                pieces.append(hidden @ w_down[expert].T)
+            start += keep
+        pieces.append(rows.new_zeros(rows.shape[0] - start, rows.shape[1]))  # the dropped
+        return torch.cat(pieces)
+
+
+def grouped_dispatch(d_model: int, width: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an MoE layer of these widths multiplying in ``dtype`` on ``device`` runs its
+    experts by torch's grouped GEMM (else by the loop, which reads the loads on the host).
+
+    The grouped GEMM reads its offsets on the device in bfloat16, on CUDA GPUs of compute
+    capability 9.x and 10.x (H100, B200), with every row's stride a multiple of 16 bytes (both
+    widths multiples of 8). On other GPUs and in other dtypes torch copies the offsets to host
+    memory and loops over the groups itself (torch 2.13, aten/src/ATen/native/cuda/GroupedBlas.cpp:
+    the same sync as the loop, hidden), and torch.compile refuses it in float32. On a CPU the
+    same rule holds, though there no read waits for a device.
+    """
+    if dtype != torch.bfloat16 or d_model % 8 or width % 8:
+        return False
+    if device.type == "cuda":
+        major = torch.cuda.get_device_properties(device).major
+        return torch.version.hip is None and major in GROUPED_GEMM_MAJORS
+    return device.type == "cpu"
 
 
 def routing_size(mc: ModelConfig) -> int:
