@@ -116,7 +116,7 @@ class MoE(nn.Module):
             chosen = scores.topk(k, dim=-1).indices  # (n, k)
         picked = probs.gather(1, chosen)
         gates = picked / picked.sum(dim=-1, keepdim=True) if k > 1 else picked
-        dtype = self.compute_dtype(flat.device)
+        dtype = self.matmul_dtype(flat.device)
         f, d = self.w_gate.shape[1:]
         grouped = grouped_dispatch(d, f, flat.device, dtype)
         routed, loads, dropped = self._experts(
@@ -138,7 +138,7 @@ class MoE(nn.Module):
             aux = aux.detach()
         return RoutingTap.apply(out.view(shape), aux, self, stats)
 
-    def compute_dtype(self, device: torch.device) -> torch.dtype:
+    def matmul_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the experts multiply in on ``device``: autocast's where it is on (so both
         dispatches cast to it explicitly, as autocast would), else the weights'."""
         if torch.is_autocast_enabled(device.type):
