@@ -15,7 +15,7 @@ import pytest
 from nobubble import gpu_check
 from nobubble.bench.cli import REPEATS, RETRIES
 from nobubble.cli import build_parser, main
-from nobubble.corrections.cli import TERMS_RANGE
+from nobubble.corrections_cli import TERMS_RANGE
 from nobubble.data import prepare
 from nobubble.planning import cli as plan_cli
 from nobubble.planning.estimate import Plan, estimate

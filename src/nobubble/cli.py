@@ -140,8 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nobubble import bench
-    from nobubble.corrections import cli as corrections_cli
+    from nobubble import bench, corrections_cli
     from nobubble.downstream import cli as eval_cli
     from nobubble.hf import cli as export_cli
     from nobubble.planning import cli as plan_cli
