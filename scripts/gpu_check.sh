@@ -21,14 +21,14 @@
 #                     that passes it has every rank's Python stacks written into its log)
 #   GPU_CHECK_GPUS    use at most this many GPUs (default: all visible)
 #
-# The table's runs (python -m nobubble.gpu_check plan --gpus N prints them; docs/benchmarks.md,
+# The table's runs (nobubble gpu-check plan --gpus N prints them; docs/benchmarks.md,
 # "The GPU check"), by the number of GPUs N:
 #   N = 0  nothing: an error
 #   first, on any N: a smoke test (a tiny model, one 1F1B step, a stage on every GPU over NCCL;
 #          one GPU: two processes under the emulator), then the rows; among them one throughput
 #          row (smollm2-135m, seq 1024, 40 steps, MFU) and an audit of one step's actions under
 #          torch.cuda.set_sync_debug_mode("warn"); rows needing more GPUs are listed as skipped
-#   N = 1  every schedule (gpipe, 1f1b, zb-h1, zb-h2, interleaved-1f1b, 2bw, pipedream) on two
+#   N = 1  every schedule (gpipe, 1f1b, 2bw, pipedream, interleaved-1f1b, zb-h1, zb-h2) on two
 #          processes that share the GPU over gloo with CUDA tensors, under the NCCL emulator
 #          (dist_backend=gloo emulate_nccl=true): every CUDA path of the pipeline but NCCL itself;
 #          2bw again over plain gloo, and with compile and activation checkpointing
@@ -113,24 +113,24 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
 BENCH=("$PY" -m nobubble bench --device cuda --busy-retries 0 --repeats 1 --steps 30
     --warmup-steps 5 --preset small --seq-len 256 --batch-size 32)
 
-# -- the table: the smoke test, then every schedule on SmolLM2-360M's shape (nobubble/gpu_check.py)
-"$PY" -m nobubble.gpu_check plan --gpus "$GPUS" --out "$OUT" >"$OUT/plan.txt" 2>>"$OUT/gpu_check.log" ||
-    die "python -m nobubble.gpu_check plan failed (see $OUT/gpu_check.log)"
+# -- the table: the smoke test, then every schedule on SmolLM2-360M's shape (nobubble/gpu_check/)
+"$PY" -m nobubble gpu-check plan --gpus "$GPUS" --out "$OUT" >"$OUT/plan.txt" 2>>"$OUT/gpu_check.log" ||
+    die "nobubble gpu-check plan failed (see $OUT/gpu_check.log)"
 mapfile -t PLANNED <"$OUT/plan.txt"
 for line in "${PLANNED[@]}"; do
     # name, processes (0: one process), GPUs, the run it is compared with (- for none), settings;
     # `row` starts it on its first GPUs, within its own timeout (past it: every rank's stacks
     # into the step's log, then the run is stopped)
     read -r name _ _ reference _ <<<"$line"
-    step "$name" "$PY" -m nobubble.gpu_check row "$OUT" "$name"
+    step "$name" "$PY" -m nobubble gpu-check row "$OUT" "$name"
     if [ "$reference" != - ]; then
-        "$PY" -m nobubble.gpu_check compare "$OUT" "$name" >>"$OUT/$name.log" 2>&1 ||
+        "$PY" -m nobubble gpu-check compare "$OUT" "$name" >>"$OUT/$name.log" 2>&1 ||
             log "$name: the comparison failed (see $OUT/$name.log)"
         rm -rf "$OUT/runs/$name/checkpoints" # seconds to write, gigabytes to keep
     fi
 done
 rm -rf "$OUT"/runs/one-process-*/checkpoints
-"$PY" -m nobubble.gpu_check table "$OUT" >"$OUT/table.md" 2>>"$OUT/gpu_check.log" || FAILED=1
+"$PY" -m nobubble gpu-check table "$OUT" >"$OUT/table.md" 2>>"$OUT/gpu_check.log" || FAILED=1
 {
     echo -e "\n## Every schedule, SmolLM2-360M's shape (table.json)\n"
     cat "$OUT/table.md"

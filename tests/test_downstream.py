@@ -15,7 +15,7 @@ import pytest
 
 from nobubble.cli import build_parser, main
 from nobubble.downstream import harness
-from nobubble.downstream.scores import Column, DownstreamError, latest_scores, write_scores
+from nobubble.scores import Column, DownstreamError, latest_scores, write_scores
 from tests.test_report import make_run
 
 TASKS = Path(__file__).parent / "data" / "lm_eval_tasks"

@@ -7,7 +7,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from nobubble.flops import Utilization, flops_per_token, matmul_weights, table_peak, utilization
+from nobubble.model.flops import (
+    Utilization,
+    flops_per_token,
+    matmul_weights,
+    table_peak,
+    utilization,
+)
 from nobubble.model.layers import build_model, lm_loss
 from nobubble.model.presets import PRESETS
 

@@ -1,4 +1,4 @@
-"""The CPU side of scripts/gpu_check.sh (nobubble.gpu_check): which runs a machine with N GPUs
+"""The CPU side of scripts/gpu_check.sh (`nobubble gpu-check`): which runs a machine with N GPUs
 gets, how a run compares with its reference, and the table and JSON made from run folders. The
 script itself needs a GPU; its runs here are the same rows on a small model on the CPU, where
 every row must equal its reference bit for bit (the claim the plan's references rest on)."""
@@ -8,13 +8,30 @@ import json
 import pytest
 import torch
 
-from nobubble import gpu_check
-from nobubble.gpu_check import CLOSE, Outcome, compare, main, parity, plan, verdict
+from nobubble.cli import main
+from nobubble.gpu_check.parity import Outcome, compare, parity, verdict
+from nobubble.gpu_check.plan import plan, skipped
+from nobubble.gpu_check.runs import BITWISE, CLOSE, EMULATED, REPEATS, TRAINING, Run
+from nobubble.schedules.registry import PIPELINE_SCHEDULES, schedule_spec
 from tests.pipeline_helpers import EXTENDED, nobubble
 
 
-def by_name(gpus: int) -> dict[str, gpu_check.Run]:
+def by_name(gpus: int) -> dict[str, Run]:
     return {run.name: run for run in plan(gpus)}
+
+
+def gpu_check(*argv: str) -> int:
+    """``nobubble gpu-check ARGV``, as the script runs it."""
+    return main(["gpu-check", *argv])
+
+
+def test_the_steps_are_a_subcommand_of_nobubble(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gpu-check", "--help"])
+    assert exit_info.value.code == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: nobubble gpu-check ")
+    assert "{plan,row,audit,compare,table}" in usage
 
 
 def test_no_gpu_no_run():
@@ -24,7 +41,7 @@ def test_no_gpu_no_run():
 def test_one_gpu_runs_every_schedule_with_its_processes_sharing_the_gpu_over_emulated_nccl():
     runs = plan(1)
     rows = [run for run in runs if run.reference and not run.name.startswith("one-process")]
-    assert {run.schedule for run in rows if run.name.endswith("-gloo")} == set(gpu_check.SCHEDULES)
+    assert {run.schedule for run in rows if run.name.endswith("-gloo")} == set(PIPELINE_SCHEDULES)
     for run in rows:
         assert (run.processes, run.gpus) == (2, 1)
         assert "dist_backend=gloo" in run.settings
@@ -46,7 +63,7 @@ def test_every_reference_runs_before_the_rows_compared_with_it(gpus):
 
 def test_two_gpus_add_nccl_for_every_schedule_and_share_a_gpu_once():
     runs = by_name(2)
-    for schedule in gpu_check.SCHEDULES:
+    for schedule in PIPELINE_SCHEDULES:
         nccl = runs[f"{schedule}-p2-nccl"]
         assert (nccl.processes, nccl.gpus) == (2, 2) and "dist_backend=nccl" in nccl.settings
     assert [name for name in runs if "gloo" in name] == ["2bw-p2-gloo"]  # emulated NCCL
@@ -63,8 +80,23 @@ def test_eight_gpus_add_four_stages_and_data_parallel_rows():
     assert "tie_embeddings=false" in runs["pipedream-p2-nccl"].settings  # pipedream: untied
 
 
+def test_the_references_and_shapes_follow_the_schedule_registry():
+    """A schedule that flushes is compared with sync, one that does not with itself in one
+    process; untied where its first and last stages' delays differ (the reference alike); one
+    microbatch a step where every microbatch is a step."""
+    runs = by_name(1)
+    for name in PIPELINE_SCHEDULES:
+        spec, run = schedule_spec(name), runs[f"{name}-p2-gloo"]
+        assert run.reference == ("one-process-sync" if spec.flushes else f"one-process-{name}")
+        untied = "tie_embeddings=false" in run.settings
+        assert untied is not spec.can_tie(2 * spec.default_chunks), name
+        assert ("tie_embeddings=false" in runs[run.reference].settings) is untied, name
+        assert run.setting("microbatches") == ("1" if spec.step_per_microbatch else "4"), name
+    assert runs["one-process-sync"].schedule == schedule_spec("sync").same_as
+
+
 def test_the_plan_the_script_reads(tmp_path, capsys):
-    assert main(["plan", "--gpus", "1", "--out", str(tmp_path / "check")]) == 0
+    assert gpu_check("plan", "--gpus", "1", "--out", str(tmp_path / "check")) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(plan(1))
     assert lines[0].startswith("smoke-1f1b-p2-gloo 2 1 - preset=tiny ")  # the smoke test first
@@ -111,7 +143,7 @@ def test_verdicts_by_what_a_row_expects_and_the_gpus_repeatability():
     assert verdict({**near, "max_loss_rel_gap": 1e-5}, "bitwise", 1e-7) == "DIFFERS"
     assert verdict({**near, "max_loss_rel_gap": 5e-3}, CLOSE, None) == "close"
     assert verdict({**near, "max_loss_rel_gap": 5e-2}, CLOSE, None) == "DIFFERS"
-    assert verdict({**near, "max_loss_rel_gap": 5e-2}, gpu_check.REPEATS, None) == "noise floor"
+    assert verdict({**near, "max_loss_rel_gap": 5e-2}, REPEATS, None) == "noise floor"
     assert verdict(None, "bitwise", None) == "failed"
 
 
@@ -139,7 +171,7 @@ def fake_parity(out, name: str, **gaps) -> None:
 
 def test_the_table_and_its_json_from_run_folders(tmp_path, capsys):
     out = tmp_path / "check"
-    main(["plan", "--gpus", "1", "--out", str(out)])
+    gpu_check("plan", "--gpus", "1", "--out", str(out))
     fake_run(out, "one-process-sync", 1000.0, [5000.0])
     fake_run(out, "one-process-2bw", 900.0, [6000.0])
     fake_run(out, "one-process-2bw-again", 900.0, [6000.0])
@@ -154,10 +186,10 @@ def test_the_table_and_its_json_from_run_folders(tmp_path, capsys):
     fake_parity(out, "2bw-p2-gloo", failed="the run did not finish")
     capsys.readouterr()
 
-    assert main(["table", str(out)]) == 1  # a row differs, one failed
+    assert gpu_check("table", str(out)) == 1  # a row differs, one failed
     printed = capsys.readouterr().out
     rows = {row["run"]: row for row in json.loads((out / "table.json").read_text())["rows"]}
-    assert rows.keys() == {run.name for run in plan(1)} | {s.name for s in gpu_check.skipped(1)}
+    assert rows.keys() == {run.name for run in plan(1)} | {s.name for s in skipped(1)}
     assert rows["1f1b-p8-nccl"]["parity"].startswith("skipped: needs 8 GPUs")
     assert not rows["1f1b-p8-nccl"]["failed"]
     assert rows["one-process-sync"]["parity"] == "reference"
@@ -183,11 +215,9 @@ def test_the_table_and_its_json_from_run_folders(tmp_path, capsys):
 
 
 def error_of(capsys, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    assert exit_info.value.code == 2
+    assert gpu_check(*argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m nobubble.gpu_check: error: ") and err.count("\n") == 1, err
+    assert err.startswith("nobubble: error: ") and err.count("\n") == 1, err
     return err
 
 
@@ -196,7 +226,7 @@ def test_a_folder_without_a_plan_or_run_is_one_line(tmp_path, capsys):
     assert "plan.json is missing" in error_of(capsys, "compare", str(tmp_path), "gpipe-p2-gloo")
     (tmp_path / "plan.json").write_text('{"gpus": 1}')
     assert "plan.json is damaged" in error_of(capsys, "table", str(tmp_path))
-    main(["plan", "--gpus", "1", "--out", str(tmp_path)])
+    gpu_check("plan", "--gpus", "1", "--out", str(tmp_path))
     assert "nope is not a run of" in error_of(capsys, "compare", str(tmp_path), "nope")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
@@ -208,7 +238,7 @@ def test_outputs_that_cannot_be_written_are_one_line(tmp_path, capsys, lock_writ
     err = error_of(capsys, "plan", "--gpus", "1", "--out", str(tmp_path / "file" / "check"))
     assert f"--out {tmp_path / 'file' / 'check'}: " in err
     out = tmp_path / "check"
-    main(["plan", "--gpus", "1", "--out", str(out)])
+    gpu_check("plan", "--gpus", "1", "--out", str(out))
     lock_writes(out)
     assert f"OUT {out / 'table.json'}: cannot write in {out}" in error_of(capsys, "table", str(out))
     err = error_of(capsys, "compare", str(out), "gpipe-p2-gloo")
@@ -227,13 +257,13 @@ CPU_MODEL = ("tie_embeddings=true", "device=cpu", "dtype=float32")
 CPU_ROWS = [
     pytest.param(run.name, marks=[] if run.schedule in ("zb-h2", "interleaved-1f1b") else EXTENDED)
     for run in plan(1)
-    if run.reference and run.expect == gpu_check.BITWISE
+    if run.reference and run.expect == BITWISE
 ] + [pytest.param("1f1b-p4-nccl", marks=EXTENDED)]
 
 
 def on_the_cpu(settings: tuple[str, ...]) -> list[str]:
     nccl = "dist_backend=nccl"
-    emulated = list(gpu_check.EMULATED) if nccl in settings else []
+    emulated = list(EMULATED) if nccl in settings else []
     return [s for s in settings if s != nccl] + emulated
 
 
@@ -241,10 +271,10 @@ def on_the_cpu(settings: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize("name", CPU_ROWS)
 def test_each_row_equals_its_reference_bit_for_bit_on_the_cpu(tmp_path, name):
     gpus = 8 if name.endswith("nccl") else 1
-    main(["plan", "--gpus", str(gpus), "--out", str(tmp_path)])
+    gpu_check("plan", "--gpus", str(gpus), "--out", str(tmp_path))
     runs = by_name(gpus)
     for run in (runs[runs[name].reference], runs[name]):
-        settings = [*CPU_MODEL, *gpu_check.TRAINING, *on_the_cpu(run.settings)]
+        settings = [*CPU_MODEL, *TRAINING, *on_the_cpu(run.settings)]
         nobubble(tmp_path / "runs" / run.name, *settings, stages=run.processes)
     result = compare(tmp_path, name)
     assert verdict(result, runs[name].expect, None) == "bitwise", result

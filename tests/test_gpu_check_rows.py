@@ -11,23 +11,11 @@ import warnings
 
 import pytest
 
-from nobubble import gpu_check
-from nobubble.gpu_check import (
-    AUDIT,
-    AUDIT_STEP,
-    SMOKE,
-    THROUGHPUT,
-    TIMEOUTS,
-    Run,
-    audit_verdict,
-    audited,
-    command,
-    main,
-    plan,
-    row_environment,
-    skipped,
-    write_plan,
-)
+from nobubble.cli import main
+from nobubble.gpu_check.audit import AUDIT_STEP, audit_verdict, audited
+from nobubble.gpu_check.plan import plan, row, skipped, write_plan
+from nobubble.gpu_check.row import command, row_environment
+from nobubble.gpu_check.runs import AUDIT, BITWISE, CLOSE, SMOKE, THROUGHPUT, TIMEOUTS, Run
 from nobubble.schedules import Action, ActionKind
 from tests.pipeline_helpers import env
 
@@ -68,10 +56,10 @@ def test_zero_rows_shard_over_two_replicas_and_eight_gpus_make_eight_stages():
     for zero in (1, 2):
         run = runs[f"1f1b-p2-dp2-zero{zero}-nccl"]
         assert {f"zero={zero}", "dp=2", "stages=2", "dist_backend=nccl"} <= set(run.settings)
-        assert (run.processes, run.gpus, run.expect) == (4, 4, gpu_check.CLOSE)
+        assert (run.processes, run.gpus, run.expect) == (4, 4, CLOSE)
         assert run.reference == "one-process-sync"
     p8 = by_name(8)["1f1b-p8-nccl"]
-    assert (p8.processes, p8.gpus, p8.expect) == (8, 8, gpu_check.BITWISE)
+    assert (p8.processes, p8.gpus, p8.expect) == (8, 8, BITWISE)
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
@@ -105,9 +93,11 @@ def test_how_a_run_is_started(tmp_path):
     assert pipeline[5:8] == ["-m", "nobubble", "train"] and pipeline[-1] == "dist_backend=nccl"
     (audit,) = [run for run in runs.values() if run.kind == AUDIT]
     audit_command = command(audit, tmp_path, "py")
-    start = audit_command.index("nobubble.gpu_check")
-    assert audit_command[start : start + 4] == [
-        "nobubble.gpu_check",
+    start = audit_command.index("gpu-check")
+    assert audit_command[start - 2 : start + 4] == [
+        "-m",
+        "nobubble",
+        "gpu-check",
         "audit",
         str(tmp_path / "audit"),
         "--",
@@ -176,7 +166,7 @@ def test_a_run_that_hangs_is_stopped_at_its_timeout_with_every_ranks_stacks(tmp_
     post that waits for the other's (tests/test_emulated_nccl.py): past the run's timeout each
     rank writes where it waits, then every process is stopped."""
     hung = dataclasses.replace(
-        gpu_check.row("1f1b", 2, "emulated", extra=("p2p_warmup=false",)),
+        row("1f1b", 2, "emulated", extra=("p2p_warmup=false",)),
         name="hung",
         base=CPU_BASE,
         timeout_s=HUNG_S,
@@ -185,7 +175,7 @@ def test_a_run_that_hangs_is_stopped_at_its_timeout_with_every_ranks_stacks(tmp_
     log = tmp_path / "hung.log"
     with log.open("w") as output:
         result = subprocess.run(
-            [sys.executable, "-m", "nobubble.gpu_check", "row", str(tmp_path), "hung"],
+            [sys.executable, "-m", "nobubble", "gpu-check", "row", str(tmp_path), "hung"],
             stdout=output,
             stderr=subprocess.STDOUT,
             env=env(),
@@ -200,6 +190,6 @@ def test_a_run_that_hangs_is_stopped_at_its_timeout_with_every_ranks_stacks(tmp_
         assert "most recent call first" in stack and "nobubble/pipeline/" in stack, stack
     recorded = json.loads((tmp_path / "timeouts" / "hung.json").read_text())
     assert recorded["timeout_s"] == HUNG_S and len(recorded["stacks_of"]) == 2
-    assert main(["table", str(tmp_path)]) == 1  # timed out: a failure of the check
+    assert main(["gpu-check", "table", str(tmp_path)]) == 1  # timed out: a failure of the check
     table = json.loads((tmp_path / "table.json").read_text())
     assert table["rows"][0]["parity"] == "timed out"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nobubble.config import ConfigError, TrainConfig
-from nobubble.flops import matmul_weights
+from nobubble.model.flops import matmul_weights
 from nobubble.model.layers import Stage, build_model, lm_loss
 from nobubble.model.moe import MoE, balance_routers, grouped_dispatch, routing_metrics
 from nobubble.model.partition import StageSpec

@@ -69,3 +69,19 @@ def test_generated_schedules_keep_the_registered_promises(name, stages):
 def test_flushing_schedules_have_no_delay_and_delayed_ones_do():
     for spec in SPECS.values():
         assert (max(spec.delays(4)) == 0) == spec.flushes
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_a_tied_weight_needs_one_delay_at_the_first_and_last_stage(name):
+    """Only pipedream (stage s is P-1-s steps old) reads the embedding and the head at two
+    versions; configure refuses tied embeddings exactly there."""
+    spec = schedule_spec(name)
+    assert spec.can_tie(1)
+    assert spec.can_tie(4) is (name != "pipedream")
+    tied = {"schedule": name, "stages": 2, "microbatches": 1 if name == "pipedream" else 2}
+    tied |= {"n_layers": 4, "tie_embeddings": True}
+    if spec.can_tie(2):
+        build_config(tied)
+    else:
+        with pytest.raises(ConfigError, match="tie_embeddings"):
+            build_config(tied)

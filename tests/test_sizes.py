@@ -12,10 +12,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from nobubble import gpu_check
 from nobubble.bench.cli import REPEATS, RETRIES
 from nobubble.cli import build_parser, main
-from nobubble.corrections.cli import TERMS_RANGE
+from nobubble.corrections_cli import TERMS_RANGE
 from nobubble.data import prepare
 from nobubble.planning import cli as plan_cli
 from nobubble.planning.estimate import Plan, estimate
@@ -235,10 +234,10 @@ def test_a_grid_of_more_runs_than_the_limit_is_refused_before_listing_them(tmp_p
 @pytest.mark.parametrize("gpus", ["-2", "0"])
 def test_the_gpu_check_refuses_fewer_than_one_gpu_and_writes_nothing(capsys, tmp_path, gpus):
     out = tmp_path / "check"
-    err = refused(capsys, gpu_check.main, ["plan", "--gpus", gpus, "--out", str(out)])
-    assert f"plan: error: argument --gpus: must be >= 1, got {gpus}" in err
+    err = refused(capsys, main, ["gpu-check", "plan", "--gpus", gpus, "--out", str(out)])
+    assert f"nobubble gpu-check plan: error: argument --gpus: must be >= 1, got {gpus}" in err
     assert not out.exists()
-    assert gpu_check.main(["plan", "--gpus", "1", "--out", str(out)]) == 0
+    assert main(["gpu-check", "plan", "--gpus", "1", "--out", str(out)]) == 0
     assert json.loads((out / "plan.json").read_text())["runs"]
 
 

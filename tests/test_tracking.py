@@ -15,7 +15,7 @@ import pytest
 from nobubble.cli import main
 from nobubble.configure import build_config
 from nobubble.data import load_tokenizer
-from nobubble.flops import flops_per_token
+from nobubble.model.flops import flops_per_token
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
 from nobubble.run.steplog import StepLogger

@@ -1,5 +1,5 @@
 """``nobubble``: the command line (train, and the tools: schedule, sweep, report, bench, export,
-eval, plan).
+eval, plan, corrections, gpu-check).
 
 Every field of :class:`nobubble.config.TrainConfig` is a flag (``--batch-size 32``; booleans also
 ``--no-ef``) and a ``key=value`` override; ``--config FILE.toml`` supplies a base layer.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -37,7 +38,8 @@ class AnyOrderParser(OneLineParser):
     its errors are one line.
 
     Plain parsing gives the positional words one place: after the first flag, the words after
-    a later flag are "unrecognized arguments".
+    a later flag are "unrecognized arguments". A command with steps of its own (``gpu-check
+    plan``) is parsed plainly: argparse cannot intermix a choice of subcommand.
     """
 
     _intermixing = False
@@ -45,7 +47,8 @@ class AnyOrderParser(OneLineParser):
     def parse_known_args(
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        if self._intermixing:  # the intermixed parse's own passes (up to Python 3.12)
+        # the intermixed parse's own passes (up to Python 3.12), or a command with steps
+        if self._intermixing or self._subparsers is not None:
             return super().parse_known_args(args, namespace)
         self._intermixing = True
         try:
@@ -140,9 +143,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nobubble import bench
-    from nobubble.corrections import cli as corrections_cli
+    from nobubble import bench, corrections_cli
     from nobubble.downstream import cli as eval_cli
+    from nobubble.gpu_check import cli as gpu_check_cli
     from nobubble.hf import cli as export_cli
     from nobubble.planning import cli as plan_cli
     from nobubble.reporting import cli as report_cli
@@ -196,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text)
         module.add_arguments(sub)
         sub.set_defaults(func=module.run)
+    gpu_check = commands.add_parser("gpu-check", help="the steps of scripts/gpu_check.sh")
+    gpu_check_cli.add_arguments(gpu_check)
+    # its audit runs `nobubble train` through this same command line
+    gpu_check.set_defaults(func=functools.partial(gpu_check_cli.run, command_line=main))
     return parser
 
 

@@ -115,7 +115,7 @@ def _check_model(cfg: TrainConfig) -> None:
         ) from None
     if mc.tie_embeddings and stages > 1:
         spec, last = schedule_spec(cfg.schedule), stages - 1
-        if spec.delay(0, stages) != spec.delay(last, stages):
+        if not spec.can_tie(stages):
             raise ConfigError(
                 f"the head is tied to the embedding (tie_embeddings), and {spec.name} trains the "
                 f"embedding (stage 0) with gradient delay {spec.delay(0, stages)} and the "

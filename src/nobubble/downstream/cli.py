@@ -2,7 +2,7 @@
 
 The run's checkpoint is exported (:func:`nobubble.hf.export.export_hf`) into a temporary folder
 (under ``$TMPDIR``), evaluated there by lm-evaluation-harness, and the scores are written into
-the run folder (:mod:`nobubble.downstream.scores`) and printed.
+the run folder (:mod:`nobubble.scores`) and printed.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def score_table(record: Mapping[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from nobubble.downstream import harness
-    from nobubble.downstream.scores import SCORES_DIR, DownstreamError, write_scores
     from nobubble.resume import saved_config
+    from nobubble.scores import SCORES_DIR, DownstreamError, write_scores
 
     run_dir = Path(args.run)
     saved_config(run_dir)  # a clear error if it is no run folder, before any slow import

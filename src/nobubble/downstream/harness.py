@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
-from nobubble.downstream.scores import FORMAT, DownstreamError
+from nobubble.scores import FORMAT, DownstreamError
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -197,7 +197,7 @@ def score_record(
     eval_s: float,
     date: str,
 ) -> dict[str, Any]:
-    """The score file (:mod:`nobubble.downstream.scores`) of lm-eval's ``results``."""
+    """The score file (:mod:`nobubble.scores`) of lm-eval's ``results``."""
     from nobubble import __version__
 
     samples = results.get("n-samples", {})

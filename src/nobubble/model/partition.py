@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nobubble.config import ConfigError, TrainConfig
-from nobubble.flops import block_flops, head_flops
 from nobubble.layout import ParallelLayout
+from nobubble.model.flops import block_flops, head_flops
 from nobubble.model.presets import ModelConfig
 
 TIED_WEIGHT = "embed.weight"  # the tied embedding/head weight, under this name in every layout

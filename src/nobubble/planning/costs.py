@@ -1,6 +1,6 @@
 """What one stage costs: compute time per microbatch, message size, weights and activations.
 
-Compute follows nobubble.flops (matmul FLOPs, backward twice the forward, attention over all T
+Compute follows nobubble.model.flops (matmul FLOPs, backward twice the forward, attention over all T
 keys) at a stated MFU; a split backward's weight-gradient part (W) is the matmuls' weight
 gradients, as many FLOPs as their forward, so the attention's backward (scores and weighted
 sum, which have no weights) is all in I. On the CPU benchmark W measured a third of the backward
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.flops import block_matmul_weights
+from nobubble.model.flops import block_matmul_weights
 from nobubble.model.partition import flop_costs, partition
 from nobubble.model.presets import ModelConfig
 
@@ -60,7 +60,7 @@ def stage_costs(
 ) -> list[StageCost]:
     """The model cut into ``stages`` stages as ``partition=flops`` cuts it (the embedding and
     the head by their FLOPs, the most even of the fastest splits: nobubble.model.partition). An
-    MoE block computes with its active weights (nobubble.flops) and holds all of its experts;
+    MoE block computes with its active weights (nobubble.model.flops) and holds all of its experts;
     its activations are counted as those of a dense block (the routed experts' inputs and
     hidden states, k copies of the token's, are not added)."""
     d, dh, vocab = mc.d_model, mc.head_dim, mc.vocab_size or 0

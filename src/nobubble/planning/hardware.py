@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.flops import PEAK_BF16_TFLOPS
+from nobubble.model.flops import PEAK_BF16_TFLOPS
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ def _peak(name: str) -> float:
     return next(tflops for _, table_name, tflops in PEAK_BF16_TFLOPS if table_name == name)
 
 
-# Peaks: nobubble.flops' datasheet table (dense BF16). Memory: NVIDIA's datasheets.
+# Peaks: nobubble.model.flops' datasheet table (dense BF16). Memory: NVIDIA's datasheets.
 DEVICES = {
     "h100": Device("H100 SXM", _peak("H100 SXM"), 80.0),
     "h200": Device("H200 SXM", _peak("H200 SXM"), 141.0),

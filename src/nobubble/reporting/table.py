@@ -9,7 +9,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nobubble.downstream.scores import Column
 from nobubble.reporting.groups import (
     Comparison,
     Control,
@@ -21,6 +20,7 @@ from nobubble.reporting.groups import (
     varied_keys,
 )
 from nobubble.reporting.target import ReverseRow, TargetRow
+from nobubble.scores import Column
 from nobubble.staleness import (
     APPLIED_COSINE,
     APPLIED_ERROR,

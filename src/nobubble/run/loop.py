@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from nobubble.config import TrainConfig, chosen_loggers
 from nobubble.data import DataBundle
 from nobubble.engine import Engine, StepStats
-from nobubble.flops import utilization
 from nobubble.interrupt import Interrupted
+from nobubble.model.flops import utilization
 from nobubble.model.presets import ModelConfig
 from nobubble.resume import resume_command
 from nobubble.run.checkpoints import save_checkpoint

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from nobubble.config import TrainConfig
 from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
-from nobubble.flops import Utilization
+from nobubble.model.flops import Utilization
 from nobubble.model.moe import routing_metrics
 from nobubble.runfolder import RunFolder
 from nobubble.staleness import DRIFT

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nobubble.engine import Engine, peak_memory_mb
-from nobubble.flops import Utilization
 from nobubble.hf.export import unexportable
 from nobubble.interrupt import Interrupted
+from nobubble.model.flops import Utilization
 from nobubble.model.presets import ModelConfig
 from nobubble.optim.muon import ns_dtype
 from nobubble.provenance import machine, provenance

@@ -113,6 +113,11 @@ class ScheduleSpec:
     def delays(self, stages: int) -> list[int]:
         return [self.delay(s, stages) for s in range(stages)]
 
+    def can_tie(self, stages: int) -> bool:
+        """Whether a weight that the first and the last of ``stages`` model stages share (tied
+        embeddings) is read at one version by both: their gradient delays are equal."""
+        return self.delay(0, stages) == self.delay(stages - 1, stages)
+
     def version_budget(self, stage: int, stages: int) -> int:
         """The most weight versions the schedule may hold at a stage: the one it updates and
         every older one a gradient still to be applied was (or will be) computed at."""
