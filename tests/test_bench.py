@@ -560,6 +560,7 @@ def test_zero_levels_the_bench_cannot_run_are_refused(capsys, no_launch, argv, m
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # zero trains in tests/test_zero.py; the bench's variants in the tests above
 def test_quick_bench_runs_each_variant_with_sharded_state_beside_zero_0(tmp_path, capsys):
     """`--dp 2 --zero 2`: 2bw and 2bw+zero2 in one run; the chain's figures and each rank's
     state, about half of zero=0's, in the report (no timing asserted)."""

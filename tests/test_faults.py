@@ -67,9 +67,17 @@ def steps_logged(run: Path) -> int:
     return max((r["step"] for r in lines if "train_loss" in r), default=0)
 
 
-@pytest.mark.parametrize(
-    ("stages", "target"), [(0, "process"), (2, "torchrun"), (2, "last stage only")]
-)
+# make test sends the signal to torchrun (as a scheduler does); the one-process engine's stop
+# and a signal to one rank alone (tests/test_data_parallel.py sends one) run in make test-all
+ONE_SIGNAL = pytest.mark.extended
+SIGNALLED = [
+    pytest.param(0, "process", marks=ONE_SIGNAL),
+    (2, "torchrun"),
+    pytest.param(2, "last stage only", marks=ONE_SIGNAL),
+]
+
+
+@pytest.mark.parametrize(("stages", "target"), SIGNALLED)
 def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages, target):
     """torchrun forwards a signal to every stage; one sent to the last stage alone (as when one
     node of a job is preempted) reaches rank 0 as that stage's stop vote."""

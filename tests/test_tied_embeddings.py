@@ -328,6 +328,7 @@ SMOLLM2 += ["grad_clip=0"]
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the tied path at scale; make test runs it on tiny shapes above
 def test_smollm2_135m_pipelines_over_4_stages(tmp_path):
     """The published SmolLM2-135M shape (tied, 30 blocks, vocabulary 49152), two 2bw steps on 4
     stages (first, two middle, last) against the simulator. Two stages add no path the tiny tied
