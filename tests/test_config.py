@@ -17,7 +17,7 @@ from nobubble.config import (
     parse_overrides,
 )
 from nobubble.configure import build_config
-from nobubble.runfolder import run_name
+from nobubble.runfolder.folder import run_name
 
 
 def test_defaults_are_valid():

@@ -23,7 +23,7 @@ from nobubble.configure import build_config
 from nobubble.data import ByteTokenizer
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
 from nobubble.model.resolve import model_config
-from nobubble.resume import saved_config
+from nobubble.runfolder.reading import saved_config
 from nobubble.sweeping.planned import PlannedRun, Status
 from tests.pipeline_helpers import snapshot
 

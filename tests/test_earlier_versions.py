@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from nobubble.configure import build_config
-from nobubble.resume import saved_config
+from nobubble.runfolder.reading import saved_config
 from tests.pipeline_helpers import metrics
 from tests.test_resume import resume
 

@@ -29,7 +29,7 @@ from nobubble.model.layers import build_model
 from nobubble.model.partition import TIED_WEIGHT, partition, stage_parameter_names
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
-from nobubble.resume import saved_config
+from nobubble.runfolder.reading import saved_config
 from tests.pipeline_helpers import snapshot
 
 ATOL = 1e-5  # float32 logits; see the module docstring

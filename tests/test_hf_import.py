@@ -27,7 +27,7 @@ from nobubble.model.layers import lm_loss
 from nobubble.model.partition import TIED_WEIGHT
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
-from nobubble.resume import saved_config
+from nobubble.runfolder.reading import saved_config
 from tests.pipeline_helpers import SMALL, metrics, nobubble
 
 ATOL = 1e-5

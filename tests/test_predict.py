@@ -13,7 +13,7 @@ from safetensors import safe_open
 from nobubble.config import ConfigError
 from nobubble.configure import build_config
 from nobubble.one_process import DelayedTrainer
-from nobubble.runfolder import run_name
+from nobubble.runfolder.folder import run_name
 from nobubble.schedules.registry import schedule_spec
 from tests.pipeline_helpers import assert_same_run, losses
 from tests.test_delay_exact import adamw_update, column, quadratic_trainer, run

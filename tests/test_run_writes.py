@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from nobubble import runfolder
 from nobubble.cli import main
 from nobubble.layout import ParallelLayout
 from nobubble.pipeline import runtime
 from nobubble.pipeline.comm import PeerFailure
 from nobubble.run import loop
+from nobubble.runfolder import folder as runfolder
 from tests.pipeline_helpers import SMALL, assert_same_run, metrics, snapshot
 
 SETTINGS = ["steps=6", "eval_every=3", "checkpoint_every=2", "keep_checkpoints=5"]

@@ -13,7 +13,7 @@ import pytest
 
 from nobubble.config import ConfigError, load_toml
 from nobubble.configure import build_config
-from nobubble.runfolder import run_name
+from nobubble.runfolder.folder import run_name
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.best import Pending
 from nobubble.sweeping.grid import SweepError, load_sweep

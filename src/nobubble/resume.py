@@ -22,25 +22,17 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from nobubble.checkpoint.files import (
-    CheckpointError,
-    check_format,
-    checkpoint_folders,
-    checkpoint_step,
-    read_meta,
-    sha256,
-    verify_checkpoint,
-)
-from nobubble.config import FIELDS, ConfigError, NobubbleWarning, TrainConfig, from_saved
+from nobubble.checkpoint.files import CheckpointError, check_format, checkpoint_step, read_meta
+from nobubble.config import FIELDS, ConfigError, NobubbleWarning, TrainConfig
 from nobubble.config.fields import FREE
 from nobubble.config.fields import LAYOUT as LAYOUT_CHANGE
 from nobubble.configure import build_config
 from nobubble.destinations import check_output_folder
-from nobubble.files import DamagedFile, read_json_lines, read_json_object, write_json_atomic
+from nobubble.files import DamagedFile
 from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
 from nobubble.model.resolve import model_config
-from nobubble.runfolder import (
+from nobubble.runfolder.folder import (
     NewRun,
     RunFolder,
     hold_run_folder,
@@ -48,6 +40,16 @@ from nobubble.runfolder import (
     run_path,
     target_of,
     tidy_leftovers,
+)
+from nobubble.runfolder.reading import (
+    checkpoint_config,
+    checkpoints,
+    has_metrics,
+    latest_valid_checkpoint,
+    read_metrics,
+    saved_train_config,
+    tokenizer_digest,
+    tokenizer_path,
 )
 from nobubble.schedules.registry import schedule_spec
 from nobubble.tracking import require_loggers
@@ -68,29 +70,6 @@ WHY_NOT = {
 
 class RunFinished(Exception):
     """The run has trained all its steps already: there is nothing to do (not an error)."""
-
-
-def saved_config(run_dir: Path) -> dict:
-    """The settings ``run_dir``'s config.json saved, a key it lacks as it was meant then."""
-    path = run_dir / "config.json"
-    if not path.exists():
-        raise ConfigError(f"{run_dir} is not a nobubble run folder (it has no config.json)")
-    return from_saved(read_json_object(path, CONFIG_FIX))
-
-
-CONFIG_FIX = (
-    "it holds the run's settings: restore it (a copy is in every checkpoint's "
-    'shard_0/meta.json, under "config")'
-)
-
-
-def saved_train_config(run_dir: Path) -> TrainConfig:
-    """The configuration saved in ``run_dir``'s config.json, checked like any other."""
-    saved = saved_config(run_dir)
-    try:
-        return build_config(saved)
-    except ConfigError as exc:
-        raise DamagedFile(f"{run_dir / 'config.json'} is damaged: {exc}; {CONFIG_FIX}") from None
 
 
 def resumed_config(run_dir: Path, *layers: dict) -> TrainConfig:
@@ -205,31 +184,16 @@ def split_change_note(saved: TrainConfig, cfg: TrainConfig, step: int) -> str | 
     )
 
 
-def latest_valid_checkpoint(root: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that verifies and its manifest, warning about every newer one that
-    does not."""
-    for folder in reversed(checkpoint_folders(root)):
-        try:
-            manifest = verify_checkpoint(folder)
-        except CheckpointError as exc:
-            warnings.warn(
-                f"{exc}; falling back to an older checkpoint", NobubbleWarning, stacklevel=2
-            )
-            continue
-        return folder, manifest
-    return None
-
-
 def metrics_up_to(run: RunFolder, step: int, at_step: list[dict]) -> str | None:
     """metrics.jsonl as the run continuing from ``step`` has it (None: there is none): the lines
     up to ``step`` (the resumed run writes the later ones again), without damaged lines (a line
     cut short by a hard kill), with a warning if there were any. ``at_step``: the lines of
     ``step`` its checkpoint keeps, written again if metrics.jsonl has lost them (its last line
     cut short after the checkpoint was saved), since the resumed run starts after ``step``."""
-    if not run.metrics_path.exists():
+    if not has_metrics(run.path):
         return None
-    fix = "move it out of the run folder (the resumed run starts a new one)"
-    lines, damaged = read_json_lines(run.metrics_path, fix)
+    metrics = read_metrics(run.path)
+    lines, damaged = metrics.lines, metrics.damaged
     kept = [text for text, record in lines if _step_of(record) <= step]
     lost = not any(_step_of(record) == step for _, record in lines)
     restored = [json.dumps(record) for record in at_step] if lost else []
@@ -257,11 +221,6 @@ def check_replaceable(path: Path) -> None:
         )
 
 
-def tokenizer_digest(run_dir: Path) -> str | None:
-    path = run_dir / "tokenizer.json"
-    return sha256(path) if path.is_file() else None
-
-
 def resume_command(run_dir: Path, processes: int) -> str:
     """The command that continues ``run_dir`` with ``processes`` processes (its layout)."""
     launcher = f"torchrun --nproc-per-node {processes} -m nobubble" if processes > 1 else "nobubble"
@@ -281,7 +240,7 @@ class Resumption:
 
     def commit(self) -> RunFolder:
         run = RunFolder(self.work)
-        write_json_atomic(run.config_path, self.cfg.to_dict())
+        run.write_config(self.cfg)
         if self.metrics is not None:
             tmp = run.metrics_path.with_name(".metrics.jsonl.tmp")
             tmp.write_text(self.metrics)
@@ -301,9 +260,9 @@ def reopen(cfg: TrainConfig, path: Path, flag: str) -> Resumption:
     check_compatible(saved_train_config(path), cfg, path)
     # the run writes its metrics and checkpoints into it
     check_output_folder(path, flag, fix="make it writable, or copy the run and resume the copy")
-    found = latest_valid_checkpoint(path / "checkpoints")
+    found = latest_valid_checkpoint(path)
     if found is None:
-        tried = len(checkpoint_folders(path / "checkpoints"))
+        tried = len(checkpoints(path))
         why = f"{tried} failed verification, see the warnings above" if tried else "it has none"
         raise CheckpointError(
             f"{path} holds no complete checkpoint to resume from ({why}); nothing was changed. "
@@ -324,8 +283,7 @@ def reopen(cfg: TrainConfig, path: Path, flag: str) -> Resumption:
         )
     check_format(checkpoint, manifest)
     meta = read_meta(checkpoint)
-    # config.json may already name a layout that no checkpoint was saved in yet
-    at_checkpoint = build_config(from_saved(meta["config"]))
+    at_checkpoint = checkpoint_config(path, meta)
     run = RunFolder(path)
     check_replaceable(run.summary_path)
     metrics = metrics_up_to(run, step, meta.get("metrics", []))  # older checkpoints: none
@@ -337,7 +295,7 @@ def reopen(cfg: TrainConfig, path: Path, flag: str) -> Resumption:
         )
     if meta.get("tokenizer_sha256") != tokenizer_digest(path):
         raise CheckpointError(
-            f"{path / 'tokenizer.json'} is not the tokenizer {checkpoint} was trained with; "
+            f"{tokenizer_path(path)} is not the tokenizer {checkpoint} was trained with; "
             "restore the run's original tokenizer.json"
         )
     return Resumption(cfg, path, checkpoint, metrics)

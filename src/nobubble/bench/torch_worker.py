@@ -62,7 +62,7 @@ from nobubble.pipeline.process_group import (
 )
 from nobubble.pipeline.replicas import ReplicaReduction, replica_rows
 from nobubble.run.torchrun import build_stage_data, launch_layout
-from nobubble.runfolder import RunFolder
+from nobubble.runfolder.folder import RunFolder
 from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import autocast
 from nobubble.stage_report import StageReport

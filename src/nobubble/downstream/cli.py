@@ -97,7 +97,7 @@ def score_table(record: Mapping[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from nobubble.downstream import harness
-    from nobubble.resume import saved_config
+    from nobubble.runfolder.reading import saved_config
     from nobubble.scores import SCORES_DIR, DownstreamError, write_scores
 
     run_dir = Path(args.run)

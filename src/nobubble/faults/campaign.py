@@ -74,7 +74,8 @@ from nobubble.faults.summary import (
 from nobubble.files import DamagedFile, read_json_lines, write_json_atomic
 from nobubble.interrupt import Interrupted
 from nobubble.provenance import machine, provenance
-from nobubble.runfolder import FINISHED, holds_files, read_summary, stop_of
+from nobubble.runfolder.folder import FINISHED, holds_files
+from nobubble.runfolder.reading import read_summary, stop_of
 
 PROG = "python experiments/fault_campaign.py"
 RUNS = Range(1, 10_000, high_open=False, why="each run is a minute or more of torchrun launches")

@@ -17,7 +17,8 @@ from nobubble.checkpoint.files import (
     newest_weights,
 )
 from nobubble.files import DamagedFile, read_json_lines
-from nobubble.runfolder import FINISHED, read_summary, stop_of
+from nobubble.runfolder.folder import FINISHED
+from nobubble.runfolder.reading import read_summary, stop_of
 
 # The values of a metrics line that an exact resume repeats bit for bit (times are not).
 COMPARED = ("train_loss", "val_loss", "val_bpb", "grad_norm")

@@ -15,7 +15,8 @@ from nobubble.destinations import check_output_folder
 from nobubble.files import read_json_lines, write_json_atomic
 from nobubble.gpu_check.plan import planned_run
 from nobubble.gpu_check.runs import CLOSE, REPEATS
-from nobubble.runfolder import FINISHED, read_summary, stop_of
+from nobubble.runfolder.folder import FINISHED
+from nobubble.runfolder.reading import read_summary, stop_of
 
 CLOSE_RTOL = 1e-2  # a row expected close: another summation order, compiled kernels
 NOISE_FACTOR = 10.0  # a row expected bitwise, on a GPU that does not repeat runs bitwise

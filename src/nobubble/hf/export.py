@@ -36,20 +36,25 @@ from nobubble import __version__
 from nobubble.checkpoint.files import (
     CheckpointError,
     CheckpointReader,
-    checkpoint_folders,
     checkpoint_name,
     read_meta,
     verify_checkpoint,
 )
-from nobubble.config import ConfigError, from_saved
-from nobubble.configure import build_config
+from nobubble.config import ConfigError
 from nobubble.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from nobubble.files import write_json_atomic
 from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
 from nobubble.model.presets import ModelConfig
 from nobubble.model.resolve import model_config
-from nobubble.resume import latest_valid_checkpoint, saved_config, tokenizer_digest
-from nobubble.runfolder import holds_files
+from nobubble.runfolder.folder import RunFolder, holds_files
+from nobubble.runfolder.reading import (
+    checkpoint_config,
+    checkpoints,
+    latest_valid_checkpoint,
+    saved_config,
+    tokenizer_digest,
+    tokenizer_path,
+)
 
 Version = int | Literal["newest"]
 WEIGHTS = "model.safetensors"
@@ -85,10 +90,10 @@ def export_hf(
     saved_config(run_dir)  # a clear error if run_dir is no run folder
     checkpoint = find_checkpoint(run_dir, step)
     meta = read_meta(checkpoint)
-    cfg = build_config(from_saved(meta.get("config") or saved_config(run_dir)))
+    cfg = checkpoint_config(run_dir, meta)
     if meta.get("tokenizer_sha256") not in (None, tokenizer_digest(run_dir)):
         raise CheckpointError(
-            f"{run_dir / TOKENIZER_FILE} is not the tokenizer {checkpoint.name} was trained with; "
+            f"{tokenizer_path(run_dir)} is not the tokenizer {checkpoint.name} was trained with; "
             "restore the run's original tokenizer.json"
         )
     tokenizer = load_tokenizer(run_dir)
@@ -136,10 +141,9 @@ def export_hf(
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """The verified checkpoint of ``step`` in ``run_dir``, or its newest valid one."""
-    root = run_dir / "checkpoints"
-    steps = [p.name for p in checkpoint_folders(root)]
+    steps = [p.name for p in checkpoints(run_dir)]
     if step is None:
-        found = latest_valid_checkpoint(root) if steps else None
+        found = latest_valid_checkpoint(run_dir) if steps else None
         if found is None:
             why = f"{len(steps)} failed verification" if steps else "it has none"
             raise CheckpointError(
@@ -147,7 +151,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
                 "its end and every checkpoint_every steps"
             )
         return found[0]
-    folder = root / checkpoint_name(step)
+    folder = RunFolder(run_dir).checkpoints / checkpoint_name(step)
     if not folder.is_dir():
         held = ", ".join(str(int(name.split("_")[1])) for name in steps) or "none"
         raise ConfigError(

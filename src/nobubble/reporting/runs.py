@@ -22,7 +22,8 @@ from typing import Any
 from nobubble.config import FIELDS, ConfigError, TrainConfig, coerce, from_saved
 from nobubble.files import DamagedFile, read_json_lines, read_json_object
 from nobubble.provenance import machine_in_words
-from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
+from nobubble.runfolder.folder import FINISHED, NON_FINITE
+from nobubble.runfolder.reading import read_summary, stop_of
 from nobubble.schedules.registry import SCHEDULES
 from nobubble.scores import Column, Score, latest_scores
 from nobubble.staleness import DRIFT, STEP_MEASURES

@@ -21,9 +21,9 @@ from nobubble.checkpoint.named_state import NamedStateError
 from nobubble.config import TrainConfig
 from nobubble.data import DataBundle
 from nobubble.engine import Engine
-from nobubble.resume import tokenizer_digest
 from nobubble.run.steplog import Elapsed
-from nobubble.runfolder import RunFolder
+from nobubble.runfolder.folder import RunFolder
+from nobubble.runfolder.reading import tokenizer_digest
 
 
 def save_checkpoint(

@@ -22,7 +22,7 @@ from nobubble.run.checkpoints import save_checkpoint
 from nobubble.run.nonfinite import NonFinitePolicy
 from nobubble.run.steplog import Elapsed, StepLogger
 from nobubble.run.summary import run_summary, stops_recorded, summary_line
-from nobubble.runfolder import RunFolder
+from nobubble.runfolder.folder import RunFolder
 
 
 @dataclass(frozen=True)

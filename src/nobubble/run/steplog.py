@@ -13,7 +13,7 @@ from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
 from nobubble.model.flops import Utilization
 from nobubble.model.moe import routing_metrics
-from nobubble.runfolder import RunFolder
+from nobubble.runfolder.folder import RunFolder
 from nobubble.staleness import DRIFT
 from nobubble.tracking import Loggers, open_loggers, scalars_of, stage_scalars
 

@@ -18,7 +18,7 @@ from nobubble.provenance import machine, provenance
 from nobubble.resume import resume_command
 from nobubble.run.errors import NonFiniteError
 from nobubble.run.steplog import StepLogger
-from nobubble.runfolder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder, RunWriteError
+from nobubble.runfolder.folder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder, RunWriteError
 from nobubble.stage_options import precision
 
 

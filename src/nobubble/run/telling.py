@@ -32,7 +32,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from nobubble.data import DataError
     from nobubble.pipeline.comm import PeerFailure
     from nobubble.run.errors import TrainingError
-    from nobubble.runfolder import RunWriteError
+    from nobubble.runfolder.folder import RunWriteError
     from nobubble.schedules import ScheduleError
 
     return (

@@ -23,13 +23,13 @@ from typing import IO
 
 import tomli_w
 
-from nobubble.checkpoint.files import checkpoint_folders, checkpoint_step
+from nobubble.checkpoint.files import checkpoint_step
 from nobubble.children import Children, stopping
 from nobubble.files import DamagedFile
 from nobubble.folder_lock import FolderBusy, hold_folder
 from nobubble.reporting.runs import final_loss
-from nobubble.resume import latest_valid_checkpoint
-from nobubble.runfolder import FINISHED, holds_files, stop_of
+from nobubble.runfolder.folder import FINISHED, holds_files
+from nobubble.runfolder.reading import checkpoints, latest_valid_checkpoint, stop_of
 from nobubble.sweeping.planned import PlannedRun
 
 POLL_S = 0.2
@@ -73,10 +73,9 @@ def cannot_continue(run: PlannedRun) -> str | None:
     lacks only the summary, which a resume does not write: that run is trained again."""
     if not holds_files(run.path):
         return None
-    root = run.path / "checkpoints"
-    found = latest_valid_checkpoint(root)
+    found = latest_valid_checkpoint(run.path)
     if found is None:
-        tried = len(checkpoint_folders(root))
+        tried = len(checkpoints(run.path))
         return f"its {tried} checkpoint(s) fail verification" if tried else "it has no checkpoint"
     if checkpoint_step(found[0]) >= run.config.steps:
         return "it has a checkpoint of its last step but no summary.json"

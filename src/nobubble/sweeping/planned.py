@@ -25,7 +25,8 @@ from nobubble.config import TrainConfig
 from nobubble.files import DamagedFile, read_json_object
 from nobubble.model.partition import split_by_flops
 from nobubble.reporting.runs import final_loss, result_settings
-from nobubble.runfolder import FINISHED, NON_FINITE, read_summary, stop_of
+from nobubble.runfolder.folder import FINISHED, NON_FINITE
+from nobubble.runfolder.reading import read_summary, stop_of
 
 
 class Status(enum.Enum):

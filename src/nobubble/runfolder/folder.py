@@ -1,4 +1,5 @@
-"""The run folder: config.json, metrics.jsonl, summary.json, tokenizer and checkpoints.
+"""The run folder: the names of its files, and how a run writes them (the one reader:
+:mod:`nobubble.runfolder.reading`).
 
 A new run is set up in a hidden folder next to its run folder and moved into place only once it
 is ready to start (:class:`NewRun`): a setup that fails, or is killed, leaves the run folder as
@@ -28,7 +29,7 @@ from typing import Any
 from nobubble.config import ConfigError, NobubbleWarning, TrainConfig
 from nobubble.corrections.registry import chosen
 from nobubble.destinations import check_output_folder
-from nobubble.files import DamagedFile, read_json_object, write_json_atomic
+from nobubble.files import write_json_atomic
 from nobubble.folder_lock import hold_folder
 
 # Why a run stopped, as summary.json records it under "stopped".
@@ -37,6 +38,13 @@ SIGNAL = "signal"  # SIGTERM or Ctrl-C: it saved a checkpoint and can be resumed
 NON_FINITE = "non-finite"  # the non-finite policy stopped it (nonfinite_patience): diverged
 ERROR = "error"  # an error stopped it (its message is in "reason")
 STOPS = (FINISHED, SIGNAL, NON_FINITE, ERROR)
+
+# The files of a run folder (its tokenizer: ``nobubble.data.tokenizer.TOKENIZER_FILE``). They
+# are named here and read in :mod:`nobubble.runfolder.reading` alone.
+CONFIG = "config.json"  # the run's resolved settings
+METRICS = "metrics.jsonl"  # one JSON object a line: every step's, every evaluation's
+SUMMARY = "summary.json"  # why the run stopped, its final figures
+CHECKPOINTS = "checkpoints"  # step_NNNNNN folders (nobubble.checkpoint.files)
 
 
 def run_name(cfg: TrainConfig) -> str:
@@ -66,30 +74,6 @@ def run_path(cfg: TrainConfig) -> Path:
 
 def holds_files(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())
-
-
-def stop_of(summary: dict[str, Any]) -> str:
-    """Why the run of ``summary`` stopped (summaries from before it was recorded: finished)."""
-    return summary.get("stopped", FINISHED)
-
-
-def read_summary(folder: Path) -> dict[str, Any] | None:
-    """summary.json of the run folder ``folder`` (None if it has none); :class:`DamagedFile`
-    if it is damaged."""
-    path = folder / "summary.json"
-    if not path.exists():
-        return None
-    fix = (
-        "restore it, or delete it: the run then counts as unfinished (nobubble sweep trains it "
-        "again)"
-    )
-    summary = read_json_object(path, fix)
-    if stop_of(summary) not in STOPS:
-        raise DamagedFile(
-            f"{path} is damaged (stopped={stop_of(summary)!r}, not one of {', '.join(STOPS)}); "
-            f"{fix}"
-        )
-    return summary
 
 
 # What frees a write that failed with these errors; any other: "fix that".
@@ -138,19 +122,19 @@ class RunFolder:
 
     @property
     def config_path(self) -> Path:
-        return self.path / "config.json"
+        return self.path / CONFIG
 
     @property
     def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.path / METRICS
 
     @property
     def summary_path(self) -> Path:
-        return self.path / "summary.json"
+        return self.path / SUMMARY
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS
 
     @classmethod
     def create(cls, cfg: TrainConfig, overwrite: bool = False) -> RunFolder:
@@ -182,6 +166,9 @@ class RunFolder:
                     raise
             finally:
                 os.close(fd)
+
+    def write_config(self, cfg: TrainConfig) -> None:
+        write_json_atomic(self.config_path, cfg.to_dict())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         with self.writing(self.summary_path):
@@ -232,7 +219,7 @@ class NewRun:
                 f"run folder {path} already holds files; choose another --out, continue it "
                 f"with --resume {path}, or pass --overwrite to replace it"
             )
-        if self.replaces and not (self.full / "config.json").is_file():
+        if self.replaces and not (self.full / CONFIG).is_file():
             raise ConfigError(
                 f"{path} holds files but is not a nobubble run folder (it has no config.json); "
                 "--overwrite only replaces run folders: choose another --out"
@@ -252,7 +239,7 @@ class NewRun:
 
     def commit(self) -> RunFolder:
         """Move the set-up run to ``path``; a failure puts everything back as it was."""
-        write_json_atomic(self.work / "config.json", self.cfg.to_dict())
+        RunFolder(self.work).write_config(self.cfg)
         aside = _beside(self.full, "old")
         try:
             if self.replaces:
