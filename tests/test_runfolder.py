@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from nobubble.cli import main
-from nobubble.folder_lock import FolderBusy, hold_folder
 from nobubble.run import setup
+from nobubble.runfolder.lock import FolderBusy, hold_folder
 from tests.pipeline_helpers import SMALL, snapshot
 
 
@@ -237,7 +237,7 @@ def test_leftovers_of_killed_commands_are_cleaned_up_or_reported(tmp_path, how):
 HOLDER = (
     "import sys\n"
     "from pathlib import Path\n"
-    "from nobubble.folder_lock import hold_folder\n"
+    "from nobubble.runfolder.lock import hold_folder\n"
     "hold_folder(Path(sys.argv[1]), 'it', 'wait')\n"
     "print('held', flush=True)\n"
     "sys.stdin.read()\n"

@@ -12,8 +12,8 @@ import pytest
 
 from nobubble.cli import main
 from nobubble.configure import build_config
-from nobubble.folder_lock import hold, hold_folder
 from nobubble.reporting import cli as report
+from nobubble.runfolder.lock import hold, hold_folder
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError
 from nobubble.sweeping.planned import PlannedRun, Status

@@ -122,9 +122,9 @@ def warn_unused_settings(cfg: TrainConfig, chosen: set[str], torchrun: bool) -> 
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from nobubble.resume import RunFinished, resumed_config
     from nobubble.run.torchrun import launched_by_torchrun
     from nobubble.run.train import train
+    from nobubble.runfolder.resume import RunFinished, resumed_config
 
     layers, torchrun = config_layers(args), launched_by_torchrun()
     cfg = resumed_config(Path(args.resume), *layers) if args.resume else build_config(*layers)

@@ -63,6 +63,7 @@ from nobubble.pipeline.process_group import (
 from nobubble.pipeline.replicas import ReplicaReduction, replica_rows
 from nobubble.run.torchrun import build_stage_data, launch_layout
 from nobubble.runfolder.folder import RunFolder
+from nobubble.runfolder.new import create_run
 from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import autocast
 from nobubble.stage_report import StageReport
@@ -262,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         run_dir = Path(args.out)
-        run = RunFolder.create(cfg, overwrite=True) if layout.is_leader else None
+        run = create_run(cfg, overwrite=True) if layout.is_leader else None
         dist.barrier()  # the run folder exists before any stage writes into it
         reports = _gather(
             layout, TorchStageRunner(cfg, args.schedule, run_dir, device, layout).train()

@@ -71,7 +71,7 @@ DECAY = Range(0, 1)  # [0, 1): a decay of 1 never forgets (and Adam divides by 1
 
 # What a continued run may do with a setting (``resume``): keep it (the continuation is the same
 # run), change it freely (it changes no step's result), or change it as a new parallel layout
-# where every parameter keeps its gradient delay (nobubble.resume).
+# where every parameter keeps its gradient delay (nobubble.runfolder.resume).
 KEEP, FREE, LAYOUT = "keep", "free", "layout"
 
 # ``saved_default`` not given: a saved configuration without the key meant the default.

@@ -80,7 +80,7 @@ def restore_checkpoint(folder: Path | None, engine: Engine, data: DataBundle | N
 
     The checkpoint may come from any layout (the one-process engine, another number of stages): the
     process reads its parameters by name from whichever shards hold them. Whether the layout may
-    change at all was decided when the run was opened (:func:`nobubble.resume.reopen`).
+    change at all was decided when the run was opened (:func:`nobubble.runfolder.resume.reopen`).
     """
     if folder is None:
         return Elapsed()

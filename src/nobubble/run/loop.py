@@ -17,12 +17,12 @@ from nobubble.engine import Engine, StepStats
 from nobubble.interrupt import Interrupted
 from nobubble.model.flops import utilization
 from nobubble.model.presets import ModelConfig
-from nobubble.resume import resume_command
 from nobubble.run.checkpoints import save_checkpoint
 from nobubble.run.nonfinite import NonFinitePolicy
 from nobubble.run.steplog import Elapsed, StepLogger
 from nobubble.run.summary import run_summary, stops_recorded, summary_line
 from nobubble.runfolder.folder import RunFolder
+from nobubble.runfolder.resume import resume_command
 
 
 @dataclass(frozen=True)

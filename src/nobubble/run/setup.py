@@ -24,9 +24,9 @@ from nobubble.model.partition import resolve_partition
 from nobubble.model.presets import ModelConfig
 from nobubble.model.resolve import model_config
 from nobubble.profiling import profiled
-from nobubble.resume import open_run
 from nobubble.run.checkpoints import restore_checkpoint
 from nobubble.run.loop import run_training
+from nobubble.runfolder.resume import open_run
 
 T = TypeVar("T")
 

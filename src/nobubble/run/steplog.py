@@ -139,7 +139,7 @@ class StepLogger:
 
     def lines_at(self, step: int) -> list[dict]:
         """The metrics lines written at ``step``, if it is the newest step written (what a
-        checkpoint of ``step`` keeps: :func:`nobubble.resume.metrics_up_to`)."""
+        checkpoint of ``step`` keeps: :func:`nobubble.runfolder.resume.metrics_up_to`)."""
         return [line for line in self.written if line["step"] == step]
 
     def close(self, error: BaseException | None = None) -> None:

@@ -15,10 +15,10 @@ from nobubble.model.flops import Utilization
 from nobubble.model.presets import ModelConfig
 from nobubble.optim.muon import ns_dtype
 from nobubble.provenance import machine, provenance
-from nobubble.resume import resume_command
 from nobubble.run.errors import NonFiniteError
 from nobubble.run.steplog import StepLogger
 from nobubble.runfolder.folder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder, RunWriteError
+from nobubble.runfolder.resume import resume_command
 from nobubble.stage_options import precision
 
 

@@ -42,8 +42,8 @@ from nobubble.pipeline.process_group import (
 )
 from nobubble.pipeline.replicas import peer_failures
 from nobubble.pipeline.runtime import PipelineEngine
-from nobubble.resume import RunFinished
 from nobubble.run.telling import Told, tell
+from nobubble.runfolder.resume import RunFinished
 
 T = TypeVar("T")
 

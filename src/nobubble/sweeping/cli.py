@@ -17,7 +17,7 @@ from typing import IO
 
 from nobubble.config.flags import whole
 from nobubble.destinations import make_output_folder
-from nobubble.folder_lock import hold
+from nobubble.runfolder.lock import hold
 from nobubble.sweeping.best import Pending
 from nobubble.sweeping.grid import Phase, Sweep, SweepError, load_sweep
 from nobubble.sweeping.launch import run_all

@@ -26,9 +26,9 @@ import tomli_w
 from nobubble.checkpoint.files import checkpoint_step
 from nobubble.children import Children, stopping
 from nobubble.files import DamagedFile
-from nobubble.folder_lock import FolderBusy, hold_folder
 from nobubble.reporting.runs import final_loss
 from nobubble.runfolder.folder import FINISHED, holds_files
+from nobubble.runfolder.lock import FolderBusy, hold_folder
 from nobubble.runfolder.reading import checkpoints, latest_valid_checkpoint, stop_of
 from nobubble.sweeping.planned import PlannedRun
 

@@ -4,6 +4,7 @@ when the process ends however it ends (no stale lock after a crash or a kill).""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -47,3 +48,15 @@ def hold_folder(folder: Path, what: str, fix: str) -> int:
         os.close(fd)
         raise FolderBusy(f"{what} is in use by another process: {fix}") from None
     return fd
+
+
+def hold_run_folder(folder: Path, held: contextlib.ExitStack, shown: Path) -> None:
+    """Lock ``folder`` (the run folder ``shown``, or the setup folder that becomes it) until
+    ``held`` closes, or raise :class:`FolderBusy`."""
+    fd = hold_folder(
+        folder,
+        f"run folder {shown}",
+        "another `nobubble train` is training in it or setting it up; wait for it to end (or "
+        "stop it: it saves a checkpoint), or choose another --out",
+    )
+    held.callback(os.close, fd)

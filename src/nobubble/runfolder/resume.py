@@ -32,15 +32,9 @@ from nobubble.files import DamagedFile
 from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
 from nobubble.model.resolve import model_config
-from nobubble.runfolder.folder import (
-    NewRun,
-    RunFolder,
-    hold_run_folder,
-    holds_files,
-    run_path,
-    target_of,
-    tidy_leftovers,
-)
+from nobubble.runfolder.folder import RunFolder, holds_files, run_path
+from nobubble.runfolder.lock import hold_run_folder
+from nobubble.runfolder.new import NewRun, target_of, tidy_leftovers
 from nobubble.runfolder.reading import (
     checkpoint_config,
     checkpoints,
