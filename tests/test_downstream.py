@@ -15,7 +15,9 @@ import pytest
 
 from nobubble.cli import build_parser, main
 from nobubble.downstream import harness
-from nobubble.scores import Column, DownstreamError, latest_scores, write_scores
+from nobubble.downstream.harness import DownstreamError
+from nobubble.files import DamagedFile
+from nobubble.runfolder.scores import Column, latest_scores, write_scores
 from tests.test_report import make_run
 
 TASKS = Path(__file__).parent / "data" / "lm_eval_tasks"
@@ -73,7 +75,7 @@ def test_score_files_are_added_never_replaced_and_the_newest_checkpoint_wins(tmp
 def test_a_score_file_that_is_not_ours_is_named(tmp_path):
     (tmp_path / "downstream").mkdir()
     (tmp_path / "downstream" / "step_000001.json").write_text('{"step": 1}')
-    with pytest.raises(DownstreamError, match=r"step_000001\.json is not a score file"):
+    with pytest.raises(DamagedFile, match=r"step_000001\.json is not a score file"):
         latest_scores(tmp_path)
 
 

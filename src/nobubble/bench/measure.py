@@ -14,15 +14,15 @@ their summed all-reduce time.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import TrainConfig, from_saved
-from nobubble.configure import build_config
+from nobubble.config import TrainConfig
+from nobubble.files import DamagedFile
+from nobubble.runfolder.reading import read_metrics, read_summary, saved_train_config
 from nobubble.schedules import generate, lower, simulate
 from nobubble.schedules.timing import SimResult, split_rank_times
 from nobubble.stage_report import read_stage_report
@@ -241,9 +241,11 @@ def read_run(run_dir: Path, skip_tokens: int, like: Sequence[dict] | None = None
     """The figures of one finished run; its first ``skip_tokens`` tokens count as warm-up.
     ``like``: the per-process reports of a run of ours in the same order, whose measured action
     times stand in where this run has none (see :func:`measured_costs`)."""
-    cfg = build_config(from_saved(json.loads((run_dir / "config.json").read_text())))
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cfg = saved_train_config(run_dir)
+    summary = read_summary(run_dir)
+    if summary is None:
+        raise DamagedFile(f"{run_dir} has no summary.json: the run did not finish; run it again")
+    rows = read_metrics(run_dir, "run it again").records
     reports = [read_stage_report(report) for report in summary["stages"]]
     stages = stage_results(reports, cfg.steps)
     micro_total = cfg.steps * cfg.microbatches

@@ -15,6 +15,7 @@ from nobubble.bench.measure import RunResult, read_run
 from nobubble.bench.report import Results
 from nobubble.bench.variants import VARIANTS, Shape, Variant, command, twin
 from nobubble.children import Children
+from nobubble.runfolder.reading import has_summary
 
 BUSY_CORES = 0.1  # CPU use of other processes above which a timed run counts as disturbed
 # glibc gives every allocation of 64 KiB or more its own mapping and unmaps it when freed, so
@@ -59,7 +60,7 @@ def launch(
         code = children.wait(process)
         output.seek(0)
         text = output.read()
-    if code != 0 and not (out / "summary.json").exists():
+    if code != 0 and not has_summary(out):
         raise BenchError(
             f"{variant.name} failed with exit code {code}:\n{' '.join(cmd)}\n"
             + _failure_lines(text)

@@ -4,8 +4,9 @@
   (the only module that imports ``lm_eval``);
 - :mod:`nobubble.downstream.cli`: ``nobubble eval``.
 
-The score files it writes into a run folder (``downstream/``) are :mod:`nobubble.scores`, below
-both this package and ``nobubble report``, which reads them back.
+The score files it writes into a run folder (``downstream/``) are
+:mod:`nobubble.runfolder.scores`, in the run folder's package below both this package and
+``nobubble report``, which reads them back.
 
 Not to be confused with :mod:`nobubble.evaluation`, the validation loss measured during training.
 See docs/export.md, "Downstream evaluation".

@@ -2,7 +2,7 @@
 
 The run's checkpoint is exported (:func:`nobubble.hf.export.export_hf`) into a temporary folder
 (under ``$TMPDIR``), evaluated there by lm-evaluation-harness, and the scores are written into
-the run folder (:mod:`nobubble.scores`) and printed.
+the run folder (:mod:`nobubble.runfolder.scores`) and printed.
 """
 
 from __future__ import annotations
@@ -97,13 +97,15 @@ def score_table(record: Mapping[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from nobubble.downstream import harness
+    from nobubble.downstream.harness import DownstreamError
+    from nobubble.runfolder.folder import RunFolder
     from nobubble.runfolder.reading import saved_config
-    from nobubble.scores import SCORES_DIR, DownstreamError, write_scores
+    from nobubble.runfolder.scores import write_scores
 
     run_dir = Path(args.run)
     saved_config(run_dir)  # a clear error if it is no run folder, before any slow import
     fix = "make it writable, or copy the run and evaluate the copy"
-    check_output_folder(run_dir / SCORES_DIR, "RUN_FOLDER", fix=fix)  # where the scores go
+    check_output_folder(RunFolder(run_dir).scores, "RUN_FOLDER", fix=fix)  # where the scores go
     names = harness.parse_tasks(args.tasks)
     if args.include_path is not None and not args.include_path.is_dir():
         raise DownstreamError(

@@ -15,10 +15,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
-from nobubble.scores import FORMAT, DownstreamError
+from nobubble.config import ConfigError
+from nobubble.runfolder.scores import FORMAT
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
+
+
+class DownstreamError(ConfigError):
+    """An evaluation that cannot run; says why and the fix."""
+
 
 INSTALL_HINT = "pip install 'nobubble[eval]'"
 LIST_HINT = (
@@ -197,7 +203,7 @@ def score_record(
     eval_s: float,
     date: str,
 ) -> dict[str, Any]:
-    """The score file (:mod:`nobubble.scores`) of lm-eval's ``results``."""
+    """The score file (:mod:`nobubble.runfolder.scores`) of lm-eval's ``results``."""
     from nobubble import __version__
 
     samples = results.get("n-samples", {})

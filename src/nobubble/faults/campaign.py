@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nobubble.checkpoint.files import MANIFEST, checkpoint_folders
 from nobubble.children import Children, Identity, alive, identity, stopping
 from nobubble.config import ConfigError
 from nobubble.config.fields import NON_NEGATIVE, Range
@@ -71,11 +70,11 @@ from nobubble.faults.summary import (
     markdown,
     summarize,
 )
-from nobubble.files import DamagedFile, read_json_lines, write_json_atomic
+from nobubble.files import DamagedFile, write_json_atomic
 from nobubble.interrupt import Interrupted
 from nobubble.provenance import machine, provenance
 from nobubble.runfolder.folder import FINISHED, holds_files
-from nobubble.runfolder.reading import read_summary, stop_of
+from nobubble.runfolder.reading import read_metrics, read_summary, sealed_checkpoints, stop_of
 
 PROG = "python experiments/fault_campaign.py"
 RUNS = Range(1, 10_000, high_open=False, why="each run is a minute or more of torchrun launches")
@@ -96,13 +95,8 @@ def torchrun(layout: Layout, run: Path, *extra: str) -> list[str]:
 
 def steps_logged(run: Path) -> int:
     """The newest step with a train_loss in the run's metrics.jsonl (0 before any)."""
-    rows, _ = read_json_lines(run / "metrics.jsonl", "")
-    return max((row["step"] for _, row in rows if "train_loss" in row), default=0)
-
-
-def sealed(run: Path) -> list[Path]:
-    """The run's complete checkpoints (with a manifest), oldest first."""
-    return [f for f in checkpoint_folders(run / "checkpoints") if (f / MANIFEST).is_file()]
+    rows = read_metrics(run, "").records
+    return max((row["step"] for row in rows if "train_loss" in row), default=0)
 
 
 def stopped(run: Path) -> str | None:
@@ -211,7 +205,7 @@ class Campaign:
             record.lost.append(f"the faulted launch did not end within {END_S} s; killed")
         record.launches.append(ended(folder / "faulted.log", code, run))
         if trial.fault.kind == DAMAGED_CHECKPOINT:
-            newest = sealed(run)[-1]
+            newest = sealed_checkpoints(run)[-1]
             damage(newest / trial.fault.target, trial.fault.damage)
             record.note = f"{newest.name}/{trial.fault.target}: {trial.fault.damage}"
         for attempt in range(1, RESUMES + 1):
@@ -227,8 +221,8 @@ class Campaign:
         checkpoints it needs; None if the launch ends first (or hangs for ``LAUNCH_S``)."""
         deadline = time.monotonic() + LAUNCH_S
         while launch.poll() is None and time.monotonic() < deadline:
-            step = steps_logged(run)
-            if step >= trial.fault.at_step and len(sealed(run)) >= trial.fault.checkpoints_needed:
+            step, sealed = steps_logged(run), len(sealed_checkpoints(run))
+            if step >= trial.fault.at_step and sealed >= trial.fault.checkpoints_needed:
                 return step
             time.sleep(POLL_S)
         return None

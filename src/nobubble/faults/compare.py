@@ -9,16 +9,10 @@ from typing import Any
 
 import torch
 
-from nobubble.checkpoint.files import (
-    MANIFEST,
-    CheckpointError,
-    checkpoint_folders,
-    checkpoint_step,
-    newest_weights,
-)
-from nobubble.files import DamagedFile, read_json_lines
+from nobubble.checkpoint.files import CheckpointError, checkpoint_step, newest_weights
+from nobubble.files import DamagedFile
 from nobubble.runfolder.folder import FINISHED
-from nobubble.runfolder.reading import read_summary, stop_of
+from nobubble.runfolder.reading import read_metrics, read_summary, sealed_checkpoints, stop_of
 
 # The values of a metrics line that an exact resume repeats bit for bit (times are not).
 COMPARED = ("train_loss", "val_loss", "val_bpb", "grad_norm")
@@ -92,7 +86,7 @@ def weights_lost(
 def final_weights(run: Path) -> tuple[int, dict[str, torch.Tensor]]:
     """(step, newest weight of every parameter) of the run's newest sealed checkpoint;
     :class:`CheckpointError` if it fails its checksums, or there is none."""
-    sealed = [f for f in checkpoint_folders(run / "checkpoints") if (f / MANIFEST).is_file()]
+    sealed = sealed_checkpoints(run)
     if not sealed:
         raise CheckpointError(f"{run} has no checkpoint")
     return checkpoint_step(sealed[-1]), newest_weights(sealed[-1])
@@ -109,11 +103,10 @@ def what_was_lost(run: Path, twin: Path) -> list[str]:
     stopped = "no summary.json" if summary is None else stop_of(summary)
     if stopped != FINISHED:
         lost.append(f"did not finish ({stopped})")
-    rows, damaged = read_json_lines(run / "metrics.jsonl", "")
-    if damaged:
-        lost.append(f"{damaged} damaged line(s) in metrics.jsonl")
-    twin_rows, _ = read_json_lines(twin / "metrics.jsonl", "")
-    lost += metrics_lost([row for _, row in rows], [row for _, row in twin_rows])
+    metrics = read_metrics(run, "")
+    if metrics.damaged:
+        lost.append(f"{metrics.damaged} damaged line(s) in metrics.jsonl")
+    lost += metrics_lost(metrics.records, read_metrics(twin, "").records)
     try:
         step, weights = final_weights(run)
     except CheckpointError as exc:

@@ -20,12 +20,18 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import FIELDS, ConfigError, TrainConfig, coerce, from_saved
-from nobubble.files import DamagedFile, read_json_lines, read_json_object
 from nobubble.provenance import machine_in_words
-from nobubble.runfolder.folder import FINISHED, NON_FINITE
-from nobubble.runfolder.reading import read_summary, stop_of
+from nobubble.runfolder.folder import FINISHED, NON_FINITE, RunFolder
+from nobubble.runfolder.reading import (
+    damaged_config,
+    is_run_folder,
+    read_metrics,
+    read_summary,
+    saved_config,
+    stop_of,
+)
+from nobubble.runfolder.scores import Column, Score, latest_scores
 from nobubble.schedules.registry import SCHEDULES
-from nobubble.scores import Column, Score, latest_scores
 from nobubble.staleness import DRIFT, STEP_MEASURES
 from nobubble.unused import never_read
 
@@ -162,12 +168,13 @@ class Metrics:
     damaged: int  # lines skipped
 
 
-def read_metrics(metrics: Path) -> Metrics:
-    """The evaluations and the measures taken every N steps that metrics.jsonl records, and how
-    many of its lines are damaged (skipped)."""
-    lines, damaged = read_json_lines(metrics, "move it out of the run folder to report the run")
+def eval_metrics(folder: Path) -> Metrics:
+    """The evaluations and the measures taken every N steps that the metrics.jsonl of
+    ``folder`` records, and how many of its lines are damaged (skipped)."""
+    lines = read_metrics(folder, "move it out of the run folder to report the run")
+    damaged = lines.damaged
     points, measured = [], {key: [] for key in STEP_MEASURES}
-    for _, record in lines:
+    for record in lines.records:
         for key, values in measured.items():
             mean = stage_mean(record.get(key))
             if mean is not None and _number(record.get("step")):
@@ -185,22 +192,19 @@ def read_metrics(metrics: Path) -> Metrics:
     return Metrics(tuple(sorted(points, key=lambda p: p.step)), by_step, damaged)
 
 
-CONFIG_FIX = "restore it to report the run (each checkpoint's shard_0/meta.json holds a copy)"
-
-
 def load_run(path: Path, summary: dict[str, Any]) -> tuple[Run, str | None]:
     """The run in ``path`` (whose summary is ``summary``), and a warning if some of its metrics
     lines are damaged."""
-    metrics = read_metrics(path / "metrics.jsonl")
-    config = read_json_object(path / "config.json", CONFIG_FIX)
+    metrics = eval_metrics(path)
+    config = saved_config(path)
     try:  # a config.json that no longer builds is named here, not deep in a table
         result_settings(config)
     except ConfigError as exc:
-        raise DamagedFile(f"{path / 'config.json'} is damaged: {exc}; {CONFIG_FIX}") from None
+        raise damaged_config(path, exc) from None
     run = Run(path, config, summary, metrics.evals, latest_scores(path), metrics.measured)
     if not metrics.damaged:
         return run, None
-    return run, f"{path / 'metrics.jsonl'}: skipped {metrics.damaged} damaged line(s)"
+    return run, f"{RunFolder(path).metrics_path}: skipped {metrics.damaged} damaged line(s)"
 
 
 def stopped_early(folder: Path, summary: dict[str, Any]) -> str | None:
@@ -217,7 +221,7 @@ def stopped_early(folder: Path, summary: dict[str, Any]) -> str | None:
 
 def run_folders(path: Path) -> list[Path]:
     """``path`` itself if it is a run folder, else every run folder below it (not inside runs)."""
-    if (path / "config.json").is_file():
+    if is_run_folder(path):
         return [path]
     if not path.is_dir():
         return []

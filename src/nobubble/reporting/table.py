@@ -20,7 +20,7 @@ from nobubble.reporting.groups import (
     varied_keys,
 )
 from nobubble.reporting.target import ReverseRow, TargetRow
-from nobubble.scores import Column
+from nobubble.runfolder.scores import Column
 from nobubble.staleness import (
     APPLIED_COSINE,
     APPLIED_ERROR,

@@ -33,6 +33,7 @@ CONFIG = "config.json"  # the run's resolved settings
 METRICS = "metrics.jsonl"  # one JSON object a line: every step's, every evaluation's
 SUMMARY = "summary.json"  # why the run stopped, its final figures
 CHECKPOINTS = "checkpoints"  # step_NNNNNN folders (nobubble.checkpoint.files)
+SCORES = "downstream"  # the scores of `nobubble eval` (nobubble.runfolder.scores)
 
 
 def run_name(cfg: TrainConfig) -> str:
@@ -123,6 +124,10 @@ class RunFolder:
     @property
     def checkpoints(self) -> Path:
         return self.path / CHECKPOINTS
+
+    @property
+    def scores(self) -> Path:
+        return self.path / SCORES
 
     @contextlib.contextmanager
     def writing(self, target: Path) -> Iterator[None]:

@@ -52,19 +52,18 @@ def saved_config(folder: Path) -> dict[str, Any]:
     return from_saved(read_json_object(path, CONFIG_FIX))
 
 
-def built_config(folder: Path, saved: dict[str, Any]) -> TrainConfig:
-    """``saved`` (read from ``folder``'s config.json) checked like any configuration; one that
-    no longer builds is a damaged config.json."""
-    try:
-        return build_config(saved)
-    except ConfigError as exc:
-        path = RunFolder(folder).config_path
-        raise DamagedFile(f"{path} is damaged: {exc}; {CONFIG_FIX}") from None
+def damaged_config(folder: Path, exc: ConfigError) -> DamagedFile:
+    """The error for ``folder``'s config.json that reads but is refused with ``exc``."""
+    return DamagedFile(f"{RunFolder(folder).config_path} is damaged: {exc}; {CONFIG_FIX}")
 
 
 def saved_train_config(folder: Path) -> TrainConfig:
     """The configuration saved in ``folder``'s config.json, checked like any other."""
-    return built_config(folder, saved_config(folder))
+    saved = saved_config(folder)
+    try:
+        return build_config(saved)
+    except ConfigError as exc:
+        raise damaged_config(folder, exc) from None
 
 
 def checkpoint_config(folder: Path, meta: dict[str, Any]) -> TrainConfig:

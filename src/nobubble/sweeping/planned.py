@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import TrainConfig
-from nobubble.files import DamagedFile, read_json_object
+from nobubble.files import DamagedFile
 from nobubble.model.partition import split_by_flops
 from nobubble.reporting.runs import final_loss, result_settings
 from nobubble.runfolder.folder import FINISHED, NON_FINITE
-from nobubble.runfolder.reading import read_summary, stop_of
+from nobubble.runfolder.reading import is_run_folder, read_summary, saved_config, stop_of
 
 
 class Status(enum.Enum):
@@ -57,10 +57,6 @@ class PlannedRun:
     def processes(self) -> int:
         return self.config.stages if self.launcher == "torchrun" else 1
 
-    @property
-    def summary_path(self) -> Path:
-        return self.path / "summary.json"
-
     def status(self) -> Status:
         if not self.path.exists() or (self.path.is_dir() and not any(self.path.iterdir())):
             return Status.NEW
@@ -81,11 +77,10 @@ class PlannedRun:
 
     def conflict(self) -> str | None:
         """Why the folder cannot hold this run, or None if it can."""
-        stored_path = self.path / "config.json"
-        if not stored_path.exists():
+        if not is_run_folder(self.path):
             return f"{self.path} holds files but no config.json (not a run folder)"
         try:
-            stored = result_settings(read_json_object(stored_path, "restore it"))
+            stored = result_settings(saved_config(self.path))
             self.summary()
         except DamagedFile as exc:
             return str(exc)

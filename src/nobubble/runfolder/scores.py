@@ -1,4 +1,5 @@
-"""The downstream scores a run folder keeps: ``downstream/step_NNNNNN.json``, one per evaluation.
+"""The downstream scores a run folder keeps: ``downstream/step_NNNNNN.json``, one per evaluation
+of ``nobubble eval`` (:mod:`nobubble.downstream`), read back by ``nobubble report``.
 
 A score file is written once and never replaced: another evaluation of the same checkpoint goes
 to ``step_NNNNNN-2.json`` (then ``-3``, ...). The file is written under a hidden name and then
@@ -33,19 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import ConfigError
+from nobubble.files import damaged, read_json_object
+from nobubble.runfolder.folder import RunFolder
 
-SCORES_DIR = "downstream"
 FORMAT = 1
 _NAME = re.compile(r"step_(\d+)(?:-(\d+))?\.json")
-
-
-class DownstreamError(ConfigError):
-    """An evaluation that cannot run, or score files that cannot be read; says why and the fix."""
+FIX = "move it out of the run folder's downstream/ folder"
 
 
 def score_files(run_dir: Path) -> list[Path]:
     """The score files of ``run_dir``, oldest first (by step, then by evaluation)."""
-    folder = run_dir / SCORES_DIR
+    folder = RunFolder(run_dir).scores
     if not folder.is_dir():
         return []
     found = [(m, p) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name))]
@@ -56,7 +55,7 @@ def score_files(run_dir: Path) -> list[Path]:
 def write_scores(run_dir: Path, record: Mapping[str, Any]) -> Path:
     """Write ``record`` (of checkpoint step ``record["step"]``) as a new score file of
     ``run_dir``; return its path. Never replaces a file."""
-    folder = run_dir / SCORES_DIR
+    folder = RunFolder(run_dir).scores
     folder.mkdir(exist_ok=True)
     tmp = folder / f".step_{record['step']:06d}.{os.getpid()}.tmp"
     with open(tmp, "w") as fh:
@@ -73,7 +72,7 @@ def write_scores(run_dir: Path, record: Mapping[str, Any]) -> Path:
             except FileExistsError:
                 continue
             return path
-        raise DownstreamError(f"{folder} holds 9,999 score files of step {record['step']}")
+        raise ConfigError(f"{folder} holds 9,999 score files of step {record['step']}")
     finally:
         tmp.unlink()
 
@@ -105,15 +104,10 @@ class Score:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
-        raise DownstreamError(f"cannot read {path}: {exc}") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise DownstreamError(
-            f"{path} is not a score file of format {FORMAT} (written by `nobubble eval`); "
-            "move it out of the run folder's downstream/ folder"
-        )
+    record = read_json_object(path, FIX)
+    if record.get("format") != FORMAT:
+        problem = f"is not a score file of format {FORMAT} (written by `nobubble eval`)"
+        raise damaged(path, problem, FIX)
     return record
 
 
@@ -137,8 +131,6 @@ def latest_scores(run_dir: Path) -> dict[Column, Score]:
         try:
             out.update(scores_of(_read(path)))  # oldest first: newer ones win
         except (KeyError, TypeError, AttributeError) as exc:
-            raise DownstreamError(
-                f"{path} is damaged (no {exc} where `nobubble eval` writes one); move it out "
-                "of the run folder's downstream/ folder"
-            ) from None
+            problem = f"is damaged (no {exc} where `nobubble eval` writes one)"
+            raise damaged(path, problem, FIX) from None
     return out
