@@ -17,6 +17,7 @@ from typing import Any
 from nobubble.model.presets import PRESETS, ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
+CONFIG = "config.json"  # a model folder's (hf_config), not a run folder's
 MODEL_TYPE = "llama"
 
 _TOP = {

@@ -43,7 +43,7 @@ from nobubble.checkpoint.files import (
 from nobubble.config import ConfigError
 from nobubble.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from nobubble.files import write_json_atomic
-from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
+from nobubble.hf.convert import CONFIG, hf_config, hf_name, parameter_shapes
 from nobubble.model.presets import ModelConfig
 from nobubble.model.resolve import model_config
 from nobubble.runfolder.folder import RunFolder, holds_files
@@ -119,7 +119,7 @@ def export_hf(
     def write(folder: Path) -> None:
         hf_weights = {hf_name(name): t.contiguous() for name, t in sorted(weights.items())}
         save_file(hf_weights, folder / WEIGHTS, metadata={"format": "pt"})
-        write_json_atomic(folder / "config.json", hf_config(mc, tokenizer.eos_id))
+        write_json_atomic(folder / CONFIG, hf_config(mc, tokenizer.eos_id))
         write_json_atomic(
             folder / "generation_config.json",
             {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id},

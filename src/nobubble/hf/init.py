@@ -25,10 +25,16 @@ from nobubble.data.errors import DataError
 from nobubble.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from nobubble.engine import Engine
 from nobubble.files import read_json_object
-from nobubble.hf.convert import Mismatch, describe, differences, hf_name, parameter_shapes
+from nobubble.hf.convert import (
+    CONFIG,
+    Mismatch,
+    describe,
+    differences,
+    hf_name,
+    parameter_shapes,
+)
 from nobubble.model.presets import ModelConfig
 
-CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 HUB_HINT = (
