@@ -11,9 +11,6 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "nobubble"
 NAMES = (CONFIG, METRICS, SUMMARY, CHECKPOINTS)
 # Modules allowed a name, and why.
 ALLOWED = {
-    # being split into the command layer by another change; its reads of metrics.jsonl and the
-    # checkpoints move to the reader with it
-    "gpu_check.py": set(NAMES),
     # a Hugging Face model folder's config.json (read by init_from, written by the export), not
     # the run's
     "hf/convert.py": {CONFIG},

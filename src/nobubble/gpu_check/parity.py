@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from nobubble.checkpoint.files import checkpoint_folders, newest_weights
+from nobubble.checkpoint.files import newest_weights
 from nobubble.destinations import check_output_folder
-from nobubble.files import read_json_lines, write_json_atomic
+from nobubble.files import write_json_atomic
 from nobubble.gpu_check.plan import planned_run
 from nobubble.gpu_check.runs import CLOSE, REPEATS
 from nobubble.runfolder.folder import FINISHED
-from nobubble.runfolder.reading import read_summary, stop_of
+from nobubble.runfolder.reading import checkpoints, read_metrics, read_summary, stop_of
 
 CLOSE_RTOL = 1e-2  # a row expected close: another summation order, compiled kernels
 NOISE_FACTOR = 10.0  # a row expected bitwise, on a GPU that does not repeat runs bitwise
@@ -40,14 +40,13 @@ def finished(run_dir: Path) -> dict[str, Any] | None:
 def outcome(run_dir: Path) -> Outcome | None:
     """The losses and final weights of a finished run (None if it did not finish)."""
     summary = finished(run_dir)
-    checkpoints = checkpoint_folders(run_dir / "checkpoints")
-    if summary is None or not checkpoints:
+    saved = checkpoints(run_dir)
+    if summary is None or not saved:
         return None
-    records, _ = read_json_lines(run_dir / "metrics.jsonl", "rerun the check")
-    rows = [record for _, record in records]
+    rows = read_metrics(run_dir, "rerun the check").records
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
     losses += [r["val_loss"] for r in rows if "val_loss" in r]
-    return Outcome(losses, newest_weights(checkpoints[-1]))
+    return Outcome(losses, newest_weights(saved[-1]))
 
 
 def parity(run: Outcome, reference: Outcome) -> dict[str, Any]:
