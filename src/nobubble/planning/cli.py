@@ -11,6 +11,7 @@ from nobubble.config import ConfigError, Range
 from nobubble.config.fields import POSITIVE
 from nobubble.config.flags import real, whole, wholes
 from nobubble.destinations import check_output_file
+from nobubble.markdown import markdown_table
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.planning.costs import non_embedding_parameters
 from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
@@ -194,18 +195,24 @@ def largest_fitting(plan: Plan, schedule: str, limit_gb: float) -> str:
 
 
 def table(results: list[Estimate], limit_gb: float, largest: dict[str, str]) -> str:
-    lines = [
-        "| schedule | step (ms) | tokens/s | bubble | data-parallel comm. exposed (ms) "
-        "| peak memory per GPU (GB) | fits | largest Llama 3 that fits |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+    header = [
+        "schedule", "step (ms)", "tokens/s", "bubble", "data-parallel comm. exposed (ms)",
+        "peak memory per GPU (GB)", "fits", "largest Llama 3 that fits",
+    ]  # fmt: skip
+    rows = [
+        [
+            p.schedule,
+            f"{p.step_s * 1e3:.1f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.bubble:.1%}",
+            f"{p.exposed_dp_s * 1e3:.1f}",
+            f"{p.peak_memory_gb:.1f}",
+            "yes" if p.peak_memory_gb <= limit_gb else "no",
+            largest[p.schedule],
+        ]
+        for p in results
     ]
-    for p in results:
-        lines.append(
-            f"| {p.schedule} | {p.step_s * 1e3:.1f} | {p.tokens_per_s:,.0f} | {p.bubble:.1%} "
-            f"| {p.exposed_dp_s * 1e3:.1f} | {p.peak_memory_gb:.1f} "
-            f"| {'yes' if p.peak_memory_gb <= limit_gb else 'no'} | {largest[p.schedule]} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows, align="lrrrrrll")
 
 
 def check_grid(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nobubble.config import ConfigError
+from nobubble.markdown import markdown_table
 from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
 
@@ -68,22 +69,22 @@ def grid(plan: Plan, stages: list[int], ratios: list[int]) -> list[GridPoint]:
 
 
 def grid_table(points: list[GridPoint]) -> str:
-    lines = [
-        "| P | M | 2bw tokens/s | best sync | 2bw / best sync | best sync at <= 2bw's memory "
-        "| 2bw / it | 2bw GB | bubble of best sync |",
-        "|---:|---:|---:|---|---:|---|---:|---:|---:|",
-    ]
+    header = [
+        "P", "M", "2bw tokens/s", "best sync", "2bw / best sync", "best sync at <= 2bw's memory",
+        "2bw / it", "2bw GB", "bubble of best sync",
+    ]  # fmt: skip
+    rows = []
     for pt in points:
         a, best, fit = pt.async_run, pt.best_sync, pt.best_sync_within_memory
         fit_name, fit_ratio = "none", "n/a"
         if fit is not None:
             fit_name, fit_ratio = fit.schedule, f"{a.tokens_per_s / fit.tokens_per_s:.3f}x"
-        lines.append(
-            f"| {pt.stages} | {pt.microbatches} | {a.tokens_per_s:,.0f} | {best.schedule} "
-            f"| {a.tokens_per_s / best.tokens_per_s:.3f}x | {fit_name} | {fit_ratio} "
-            f"| {a.peak_memory_gb:.0f} | {best.bubble:.1%} |"
-        )
-    return "\n".join(lines)
+        rows.append([
+            str(pt.stages), str(pt.microbatches), f"{a.tokens_per_s:,.0f}", best.schedule,
+            f"{a.tokens_per_s / best.tokens_per_s:.3f}x", fit_name, fit_ratio,
+            f"{a.peak_memory_gb:.0f}", f"{best.bubble:.1%}",
+        ])  # fmt: skip
+    return markdown_table(header, rows, align="rrrlrlrrr")
 
 
 def grid_png(points: list[GridPoint], path: Path, title: str) -> None:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from nobubble.config.fields import NON_NEGATIVE
 from nobubble.config.flags import real, reals, whole
 from nobubble.destinations import check_output_file
+from nobubble.markdown import markdown_table
 from nobubble.schedules.generators import generate
 from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import ScheduleError
@@ -116,17 +117,22 @@ def _stage_table(result: SimResult) -> str:
 
 def comparison_table(results: dict[str, SimResult]) -> str:
     """A Markdown table: one row per schedule."""
-    lines = [
-        "| schedule | makespan | bubble | throughput (mb/unit) | peak activations per rank "
-        "| weight versions per rank |",
-        "|---|---:|---:|---:|---|---|",
+    header = [
+        "schedule", "makespan", "bubble", "throughput (mb/unit)", "peak activations per rank",
+        "weight versions per rank",
+    ]  # fmt: skip
+    rows = [
+        [
+            name,
+            f"{r.makespan:g}",
+            _percent(r.bubble_fraction_overall),
+            f"{r.throughput:.3f}",
+            str(r.peak_activations),
+            str(r.weight_versions),
+        ]
+        for name, r in results.items()
     ]
-    for name, r in results.items():
-        lines.append(
-            f"| {name} | {r.makespan:g} | {_percent(r.bubble_fraction_overall)} | "
-            f"{r.throughput:.3f} | {r.peak_activations} | {r.weight_versions} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows, align="lrrrll")
 
 
 def _chunks(args: argparse.Namespace, name: str) -> int | None:
