@@ -7,7 +7,6 @@ them at any memory, and over the fastest that needs no more peak memory per GPU 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +47,8 @@ def grid_point(plan: Plan) -> GridPoint:
         else:
             runs.append(estimate(plan, name))
     runs.sort(key=lambda p: p.step_s)
-    return GridPoint(plan.stages, plan.microbatches, estimate(plan, ASYNC), runs, skipped)
+    shape = plan.parallel
+    return GridPoint(shape.stages, shape.microbatches, estimate(plan, ASYNC), runs, skipped)
 
 
 def grid(plan: Plan, stages: list[int], ratios: list[int]) -> list[GridPoint]:
@@ -61,11 +61,7 @@ def grid(plan: Plan, stages: list[int], ratios: list[int]) -> list[GridPoint]:
             f"--grid: the model has {plan.model.n_layers} blocks, too few for P = "
             f"{', '.join(map(str, too_deep))}; choose fewer stages or a deeper preset"
         )
-    return [
-        grid_point(dataclasses.replace(plan, stages=p, microbatches=r * p))
-        for p in stages
-        for r in ratios
-    ]
+    return [grid_point(plan.shaped(stages=p, microbatches=r * p)) for p in stages for r in ratios]
 
 
 def grid_table(points: list[GridPoint]) -> str:
