@@ -35,12 +35,24 @@ NOT_THE_SETTING = {
 }
 
 
+def options(name: str, parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
+    """Every (command, option) of ``parser``, its subcommands' too (``a b`` for b of a)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                found += options(f"{name} {sub}", subparser)
+        else:
+            found.append((name, action))
+    return found
+
+
 def setting_options() -> list[tuple[str, argparse.Action]]:
     """Every (command, option) whose dest names a setting of the configuration."""
     return [
         (name, action)
-        for name, parser in COMMANDS.items()
-        for action in parser._actions
+        for command, parser in COMMANDS.items()
+        for name, action in options(command, parser)
         if action.dest in FIELDS
     ]
 
