@@ -66,10 +66,10 @@ QUICK = dict(
     memory_pass=False,
 )  # fmt: skip
 QUICK_MODEL = ("d_model=32", "n_layers=4", "n_heads=4", "n_kv_heads=2", "d_ff=64")
-# each repeat runs every variant once more, and each retry a disturbed run again
 RUN_SIZES = ("steps", "batch_size", "seq_len")  # settings of every run DEFAULTS and QUICK size
 # the zero levels measured beside each variant with zero=0
 ZERO_LEVELS = Range(1, 2, high_open=False, why="each variant runs with zero=0 anyway")
+# each repeat runs every variant once more, and each retry a disturbed run again
 REPEATS = Range(1, 100, high_open=False, why="each runs every variant again; medians settle")
 RETRIES = Range(0, 10, high_open=False, why="each reruns a whole run; a machine that stays busy")
 
