@@ -24,6 +24,7 @@ from nobubble.schedules.registry import schedule_spec
 
 COMMANDS: dict[str, argparse.ArgumentParser] = build_parser()._subparsers._group_actions[0].choices
 
+GPU_CHECK_STEPS = ("plan", "row", "compare", "table")
 # a command's option whose name is a setting's but which is another thing, and why
 NOT_THE_SETTING = {
     ("sweep", "out"): "the sweep's root folder, not a run folder",
@@ -32,6 +33,8 @@ NOT_THE_SETTING = {
     ("eval", "batch_size"): "lm-evaluation-harness's sequences per forward pass, or auto",
     ("eval", "device"): "any torch device the harness evaluates on (cuda:1)",
     ("bench", "warmup_steps"): "steps left out of tokens/s, not the learning rate's warm-up",
+    **{(f"gpu-check {step}", "out"): "the GPU check's folder" for step in GPU_CHECK_STEPS},
+    **{(f"gpu-check {step}", "name"): "a run of the check's plan" for step in ("row", "compare")},
 }
 
 

@@ -240,9 +240,7 @@ def run(args: argparse.Namespace) -> int:
             }
             for name, result in results.items()
         }
-        print(
-            json.dumps(summaries if args.schedule == ALL else summaries[args.schedule], indent=2)
-        )
+        print(json.dumps(summaries if args.schedule == ALL else summaries[args.schedule], indent=2))
     else:
         for name, result in results.items():
             title = f"{name} {shape}"
