@@ -17,7 +17,13 @@ import torch
 from nobubble import cli
 from nobubble.bench import add_arguments, run
 from nobubble.bench import load as load_module
-from nobubble.bench.cli import common_settings, oversubscribed, resolve, selected_variants
+from nobubble.bench.cli import (
+    ZERO_LEVELS,
+    common_settings,
+    oversubscribed,
+    resolve,
+    selected_variants,
+)
 from nobubble.bench.load import ForeignLoad
 from nobubble.bench.measure import (
     RunResult,
@@ -43,7 +49,8 @@ from nobubble.bench.report import (
 )
 from nobubble.bench.torch_worker import P2PWaitClock, torch_schedules
 from nobubble.bench.variants import DEFAULT_VARIANTS, VARIANTS, Shape, command, twin
-from nobubble.config import ConfigError, TrainConfig
+from nobubble.config import ConfigError, TrainConfig, zero_problem
+from nobubble.config.parallel import ParallelSettings
 from nobubble.configure import build_config
 
 
@@ -550,13 +557,20 @@ def test_a_sharded_run_is_read_by_its_chain_and_its_state_against_zero_0():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--zero", "1"], "give --dp 2 or more"),
-        (["--dp", "2", "--zero", "3"], "1 and/or 2"),
+        (["--zero", "1"], zero_problem(ParallelSettings(zero=1))),
         (["--dp", "2", "zero=1"], "sets zero itself"),
     ],
 )
 def test_zero_levels_the_bench_cannot_run_are_refused(capsys, no_launch, argv, message):
     assert message in refused(capsys, *argv)
+
+
+@pytest.mark.parametrize("levels", ["0", "3", "1,3"])
+def test_zero_levels_are_the_sharded_ones_read_as_the_zero_setting_reads_them(capsys, levels):
+    with pytest.raises(SystemExit):
+        parse("--dp", "2", "--zero", levels)
+    assert f"argument --zero: must be {ZERO_LEVELS}" in capsys.readouterr().err
+    assert parse("--dp", "2", "--zero", "2,1").zero == [2, 1]
 
 
 @pytest.mark.slow

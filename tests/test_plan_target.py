@@ -10,6 +10,7 @@ import pytest
 from nobubble import delay_law
 from nobubble.cli import main
 from nobubble.config import ConfigError
+from nobubble.config.parallel import ParallelSettings
 from nobubble.delay_law import Law, save_laws
 from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
@@ -30,8 +31,9 @@ STEPS = 11_560  # of 8 microbatches x 2 sequences x 32 tokens = 512 tokens
 
 def plan() -> Plan:
     return Plan(
-        model=SHAPE, stages=4, microbatches=8, microbatch_size=2, seq_len=32, dp=1,
-        device=DEVICES["h100"], mfu=0.5, p2p=LINKS["ib-ndr"], allreduce=LINKS["ib-ndr"],
+        model=SHAPE, parallel=ParallelSettings(stages=4, microbatches=8), microbatch_size=2,
+        seq_len=32, device=DEVICES["h100"], mfu=0.5, p2p=LINKS["ib-ndr"],
+        allreduce=LINKS["ib-ndr"],
     )  # fmt: skip
 
 

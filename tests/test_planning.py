@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from nobubble.config import ConfigError
+from nobubble.config import ConfigError, zero_problem
+from nobubble.config.parallel import ParallelSettings
 from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
 from nobubble.planning import estimate as estimate_module
@@ -41,10 +42,16 @@ def test_stage_costs_by_hand():
     assert first.message_bytes == 2 * tokens * 64
 
 
+PARALLEL = {f.name for f in dataclasses.fields(ParallelSettings)}
+
+
 def plan(**changes) -> Plan:
+    """The test's plan with ``changes``: the parallel section's (stages, dp, ...) and the plan's."""
+    shape = {key: changes.pop(key) for key in PARALLEL & changes.keys()}
     base = Plan(
-        model=dataclasses.replace(SHAPE, n_layers=8), stages=4, microbatches=8,
-        microbatch_size=2, seq_len=32, dp=1, device=DEVICES["h100"], mfu=0.5,
+        model=dataclasses.replace(SHAPE, n_layers=8),
+        parallel=ParallelSettings(**{"stages": 4, "microbatches": 8, **shape}), microbatch_size=2,
+        seq_len=32, device=DEVICES["h100"], mfu=0.5,
         p2p=dataclasses.replace(LINKS["ib-ndr"], latency_us=0.0, gb_per_s=1e12),
         allreduce=LINKS["ib-ndr"],
     )  # fmt: skip
@@ -52,7 +59,7 @@ def plan(**changes) -> Plan:
 
 
 def stage_seconds(p: Plan, chunks: int = 1) -> list[float]:
-    costs = stage_costs(p.model, p.stages * chunks, p.seq_len, p.microbatch_size)
+    costs = stage_costs(p.model, p.parallel.stages * chunks, p.seq_len, p.microbatch_size)
     return [3 * c.forward_flops / (p.device.peak_tflops * 1e12 * p.mfu) for c in costs]
 
 
@@ -60,11 +67,11 @@ def test_2bw_runs_at_its_slowest_stage_and_1f1b_pays_a_fill_and_drain():
     p = plan()
     per_microbatch = stage_seconds(p)  # F + B of one microbatch per stage
     two = estimate(p, "2bw")
-    assert two.step_s == pytest.approx(p.microbatches * max(per_microbatch), rel=1e-9)
+    assert two.step_s == pytest.approx(p.parallel.microbatches * max(per_microbatch), rel=1e-9)
     assert two.tokens_per_s == pytest.approx(8 * 2 * 32 / two.step_s)
     one = estimate(p, "1f1b")
     assert one.step_s > two.step_s
-    assert one.step_s >= (p.microbatches + p.stages - 1) * min(per_microbatch)
+    assert one.step_s >= (p.parallel.microbatches + p.parallel.stages - 1) * min(per_microbatch)
     assert estimate(p, "gpipe").peak_memory_gb > one.peak_memory_gb  # M activations vs P-s
 
 
@@ -112,7 +119,7 @@ def test_activation_checkpointing_keeps_block_inputs_and_recomputes_by_hand():
     costs = stage_costs(p.model, 4, p.seq_len, p.microbatch_size, activation_checkpointing=True)
     rate = p.device.peak_tflops * 1e12 * p.mfu
     per_microbatch = [(3 * c.forward_flops + c.recompute_flops) / rate for c in costs]
-    assert estimate(p, "2bw").step_s == pytest.approx(p.microbatches * max(per_microbatch))
+    assert estimate(p, "2bw").step_s == pytest.approx(p.parallel.microbatches * max(per_microbatch))
     held = costs[0].parameters * 18 + 4 * costs[0].activation_bytes + costs[0].recompute_bytes
     assert estimate(p, "1f1b").memory_gb[0] == pytest.approx(held / 1e9)
 
@@ -132,7 +139,7 @@ def test_the_allreduce_is_exposed_after_a_flush_and_hidden_under_2bw():
     for gb_per_s in (1e6, 50.0):  # an all-reduce shorter, then longer, than a step's compute
         p = plan(dp=4, allreduce=dataclasses.replace(LINKS["ib-ndr"], gb_per_s=gb_per_s))
         allreduce = [ring * 4 * c.parameters / (gb_per_s * 1e9) for c in costs]
-        busy = [p.microbatches * t for t in stage_seconds(p)]
+        busy = [p.parallel.microbatches * t for t in stage_seconds(p)]
         one, alone = estimate(p, "1f1b"), estimate(plan(), "1f1b")
         assert one.exposed_dp_s == pytest.approx(max(allreduce))
         assert one.step_s == pytest.approx(alone.step_s + max(allreduce))
@@ -249,24 +256,19 @@ def test_plan_grid_prints_a_row_per_shape_and_draws_it(tmp_path, capsys):
         cli("--png", str(png))
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (("--zero", "1"), "--zero shares the state out over data-parallel replicas; give --dp 2"),
-    ],
-)
-def test_bad_input_is_explained(argv, message):
-    with pytest.raises(ConfigError, match=message):
-        cli(*argv)
+def test_a_plan_of_sharded_state_without_replicas_is_refused():
+    with pytest.raises(ConfigError, match=re.escape(zero_problem(ParallelSettings(zero=1)))):
+        plan(zero=1)
 
 
 def uneven_plan(preset: str, stages: int, gb_per_s: float, microbatches: int) -> Plan:
     """A planning shape whose stages differ (embedding, head) on a slow link: its steps repeat
     every few microbatches, not every one."""
     return Plan(
-        model=dataclasses.replace(PLANNING_SHAPES[preset], vocab_size=256), stages=stages,
-        microbatches=microbatches, microbatch_size=1, seq_len=512, dp=2, device=DEVICES["h100"],
-        mfu=0.4, p2p=dataclasses.replace(LINKS["ib-hdr"], gb_per_s=gb_per_s),
+        model=dataclasses.replace(PLANNING_SHAPES[preset], vocab_size=256),
+        parallel=ParallelSettings(stages=stages, microbatches=microbatches, dp=2),
+        microbatch_size=1, seq_len=512, device=DEVICES["h100"], mfu=0.4,
+        p2p=dataclasses.replace(LINKS["ib-hdr"], gb_per_s=gb_per_s),
         allreduce=LINKS["ib-ndr"],
     )  # fmt: skip
 

@@ -14,6 +14,7 @@ import pytest
 
 from nobubble.bench.cli import REPEATS, RETRIES
 from nobubble.cli import build_parser, main
+from nobubble.config.parallel import ParallelSettings
 from nobubble.corrections_cli import TERMS_RANGE
 from nobubble.data import prepare
 from nobubble.planning import cli as plan_cli
@@ -124,8 +125,8 @@ def test_a_grid_of_more_shapes_than_the_limit_is_refused_before_any_is_predicted
 def test_one_stage_has_no_bubble_not_a_negative_one(capsys):
     """One stage idles never; the busy times summed in floating point passed the step's."""
     plan = Plan(
-        model=PLANNING_SHAPES["llama3-8b"], stages=1, microbatches=16, microbatch_size=1,
-        seq_len=4096, dp=1, device=DEVICES["h100"], mfu=0.4, p2p=LINKS["ib-ndr"],
+        model=PLANNING_SHAPES["llama3-8b"], parallel=ParallelSettings(stages=1, microbatches=16),
+        microbatch_size=1, seq_len=4096, device=DEVICES["h100"], mfu=0.4, p2p=LINKS["ib-ndr"],
         allreduce=LINKS["ib-ndr"],
     )  # fmt: skip
     assert all(estimate(plan, name).bubble >= 0.0 for name in PIPELINE_SCHEDULES)

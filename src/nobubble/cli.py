@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import sys
 import warnings
@@ -18,13 +17,12 @@ from pathlib import Path
 
 from nobubble.config import (
     FIELDS,
-    HINTS,
     NobubbleWarning,
     TrainConfig,
     load_toml,
     parse_overrides,
 )
-from nobubble.config.flags import OneLineParser
+from nobubble.config.flags import OneLineParser, add_setting_flags
 from nobubble.configure import REGISTRY_NAMES, asks_for_auto, build_config
 from nobubble.corrections.auto import choose
 from nobubble.layout import first_process
@@ -57,40 +55,11 @@ class AnyOrderParser(OneLineParser):
             self._intermixing = False
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _choices(field: dataclasses.Field) -> str:
-    """``one of: a, b; `` for a setting of fixed words or of a registry's names."""
-    registry = field.metadata["registry"]
-    options = REGISTRY_NAMES[registry] if registry else field.metadata["choices"]
-    return f"one of: {', '.join(options)}; " if options else ""
-
-
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="base configuration file")
     group = parser.add_argument_group("configuration (also settable as key=value)")
-    for name, field in FIELDS.items():
-        when = READ_WHEN.get(name)
-        read = f"; read only when {when.when}" if when else ""
-        help_text = f"{field.metadata['help']} ({_choices(field)}default: {field.default}{read})"
-        if HINTS[name] in (bool, bool | None):
-            group.add_argument(
-                _flag(name),
-                dest=name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            group.add_argument(
-                _flag(name),
-                dest=name,
-                metavar=name.upper(),
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
+    notes = {name: f"read only when {when.when}" for name, when in READ_WHEN.items()}
+    add_setting_flags(group, FIELDS, names_of=REGISTRY_NAMES, notes=notes, layer=True)
     parser.add_argument(
         "overrides",
         nargs="*",

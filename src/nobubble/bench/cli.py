@@ -44,13 +44,13 @@ from nobubble.bench.variants import (
     option_sets,
     with_options,
     with_zero,
-    zero_levels,
 )
 from nobubble.children import stopping
-from nobubble.config import ConfigError, Range, parse_overrides
+from nobubble.config import ConfigError, Range, parse_overrides, zero_problem
 from nobubble.config.fields import NON_NEGATIVE
-from nobubble.config.flags import OneLineParser, whole
-from nobubble.configure import build_config
+from nobubble.config.flags import OneLineParser, add_setting_flags, whole
+from nobubble.config.parallel import ParallelSettings
+from nobubble.configure import REGISTRY_NAMES, build_config
 from nobubble.destinations import check_output_file, make_output_folder
 from nobubble.provenance import machine, provenance
 from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
@@ -66,34 +66,40 @@ QUICK = dict(
     memory_pass=False,
 )  # fmt: skip
 QUICK_MODEL = ("d_model=32", "n_layers=4", "n_heads=4", "n_kv_heads=2", "d_ff=64")
+RUN_SIZES = ("steps", "batch_size", "seq_len")  # settings of every run DEFAULTS and QUICK size
+# the zero levels measured beside each variant with zero=0
+ZERO_LEVELS = Range(1, 2, high_open=False, why="each variant runs with zero=0 anyway")
 # each repeat runs every variant once more, and each retry a disturbed run again
 REPEATS = Range(1, 100, high_open=False, why="each runs every variant again; medians settle")
 RETRIES = Range(0, 10, high_open=False, why="each reruns a whole run; a machine that stays busy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", type=whole(), default=2, help="pipeline stages P (default: 2)")
-    parser.add_argument(
-        "--microbatches", type=whole(), default=4, help="microbatches M per step (default: 4)"
+    # the measured shape of docs/benchmarks.md: 2 stages, 4 microbatches; the run's length and
+    # batch from DEFAULTS, or QUICK with --quick (resolve)
+    add_setting_flags(
+        parser,
+        ("stages", "microbatches", "dp", "zero", "steps", "batch_size", "seq_len", "preset"),
+        defaults={"stages": 2, "microbatches": 4, "zero": None, **dict.fromkeys(RUN_SIZES)},
+        limits={"zero": ZERO_LEVELS},
+        lists=("zero",),
+        names_of=REGISTRY_NAMES,
+        notes={
+            "zero": "with --dp > 1: also each of our variants with sharded state at these zero "
+            "levels (1, 2 or 1,2), reported against the same variant with zero=0",
+        },
+        shown={
+            "zero": "none",
+            **{key: f"{DEFAULTS[key]}, {QUICK[key]} with --quick" for key in RUN_SIZES},
+        },
     )
-    parser.add_argument(
-        "--dp",
-        type=whole(),
-        default=1,
-        help="data-parallel replicas of the pipeline: stages x dp processes, each replica reads "
-        "1/dp of every microbatch (default: 1)",
+    add_setting_flags(
+        parser,
+        ["device"],
+        defaults={"device": "cpu"},
+        limits={"device": ("cpu", "cuda")},
+        notes={"device": "cuda: one GPU per stage and replica"},
     )
-    parser.add_argument(
-        "--zero",
-        metavar="LEVELS",
-        help="with --dp > 1, also run each of our variants with sharded state at these zero "
-        "levels (1, 2 or 1,2), reported against the same variant with zero=0 (default: none)",
-    )
-    parser.add_argument("--steps", type=whole(), help="optimizer steps (default: 40)")
-    parser.add_argument("--batch-size", type=whole(), help="sequences per step (default: 16)")
-    parser.add_argument("--seq-len", type=whole(), help="tokens per sequence (default: 256)")
-    parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--repeats",
         type=whole(REPEATS),
@@ -281,11 +287,10 @@ def run(args: argparse.Namespace) -> int:
         if args.options:
             variants = with_options(variants, option_sets(args.options))
         if args.zero:
-            if args.dp == 1:
-                raise ConfigError(
-                    "--zero shards the state over data-parallel replicas; give --dp 2 or more"
-                )
-            variants = with_zero(variants, zero_levels(args.zero))
+            problem = zero_problem(ParallelSettings(dp=args.dp, zero=max(args.zero)))
+            if problem:
+                raise ConfigError(problem)
+            variants = with_zero(variants, sorted(set(args.zero)))
         common = common_settings(args)
         shape: Shape = bench_shape(args)
         for variant in variants:  # every config error before the first launch

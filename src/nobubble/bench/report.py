@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from nobubble.bench.measure import RunResult, ring_traffic_mb
 from nobubble.bench.variants import BASELINE, TORCH, VARIANTS, ZERO_SUFFIX
+from nobubble.markdown import markdown_table
 from nobubble.schedules import schedule_spec
 
 Results = dict[str, list[RunResult]]  # variant -> one result per run, in repeat order
@@ -159,18 +160,23 @@ def option_summary(
 def options_markdown(rows: list[OptionSummary], memory_pass: bool) -> str:
     """The --options table: every option set against the same variant without it."""
     where = "memory pass" if memory_pass else "timed runs"
-    lines = [
-        f"| variant | tokens/s | × without | peak MB ({where}) | × without | final loss "
-        "| final loss without |",
-        "|---|---:|---:|---|---|---:|---:|",
+    header = [
+        "variant", "tokens/s", "× without", f"peak MB ({where})", "× without", "final loss",
+        "final loss without",
+    ]  # fmt: skip
+    body = [
+        [
+            r.name,
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.speed_ratio:.3f}",
+            _megabytes(r.peak_mem_mb),
+            _figures(r.memory_ratio, ".3f"),
+            f"{r.final_loss:.4f}",
+            f"{r.plain_final_loss:.4f}",
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.name} | {r.tokens_per_s:,.0f} | {r.speed_ratio:.3f} "
-            f"| {_megabytes(r.peak_mem_mb)} | {_figures(r.memory_ratio, '.3f')} "
-            f"| {r.final_loss:.4f} | {r.plain_final_loss:.4f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, body, align="lrrllrr")
 
 
 def memory_extra(results: Results, name: str, reference: str) -> list[float]:
@@ -324,11 +330,11 @@ def zero_markdown(summaries: list[VariantSummary], memory_pass: bool) -> str:
     """Sharded state against the same variant with zero=0: per stage, the state a rank holds,
     its peak memory (the memory pass's on the CPU), throughput and the hidden fraction."""
     where = "memory pass" if memory_pass else "timed runs"
-    lines = [
-        f"| variant | state MB/rank | peak MB/rank ({where}) | × zero=0 | tokens/s | × zero=0 "
-        "| hidden |",
-        "|---|---|---|---|---:|---:|---|",
-    ]
+    header = [
+        "variant", "state MB/rank", f"peak MB/rank ({where})", "× zero=0", "tokens/s", "× zero=0",
+        "hidden",
+    ]  # fmt: skip
+    rows = []
     for plain in summaries:
         levels = [s for s in summaries if s.name.rpartition(ZERO_SUFFIX)[0] == plain.name]
         if ZERO_SUFFIX in plain.name or not levels:
@@ -337,12 +343,12 @@ def zero_markdown(summaries: list[VariantSummary], memory_pass: bool) -> str:
         for row in (plain, *levels):
             peak = row.tensor_mem_mb or row.peak_mem_mb
             ratio = [a / b for a, b in zip(peak, plain_peak, strict=True)]
-            lines.append(
-                f"| {row.name} | {_figures(row.state_mb, '.2f')} | {_megabytes(peak)} "
-                f"| {_figures(ratio, '.3f')} | {row.tokens_per_s:,.0f} "
-                f"| {row.tokens_per_s / plain.tokens_per_s:.3f} | {_percentages(row.hidden)} |"
-            )
-    return "\n".join(lines)
+            rows.append([
+                row.name, _figures(row.state_mb, ".2f"), _megabytes(peak), _figures(ratio, ".3f"),
+                f"{row.tokens_per_s:,.0f}", f"{row.tokens_per_s / plain.tokens_per_s:.3f}",
+                _percentages(row.hidden),
+            ])  # fmt: skip
+    return markdown_table(header, rows, align="llllrrl")
 
 
 def targets(
@@ -395,66 +401,75 @@ def dp_markdown(summaries: list[VariantSummary]) -> str:
     if not summaries or summaries[0].dp == 1:
         return ""
     dp = summaries[0].dp
-    lines = [
-        "| variant | all-reduce ms/step | exposed wait ms/step | hidden "
-        "| hidden, last all-reduce in | idle on pipeline peers ms/step | all-reduce MB/step/rank "
-        "| expected: one gradient copy, MB "
-        f"| ring traffic MB/step/rank, expected: 2({dp}-1)/{dp} × copy | steps |",
-        "|---|---|---|---|---|---|---|---|---|---:|",
+    header = [
+        "variant", "all-reduce ms/step", "exposed wait ms/step", "hidden",
+        "hidden, last all-reduce in", "idle on pipeline peers ms/step", "all-reduce MB/step/rank",
+        "expected: one gradient copy, MB",
+        f"ring traffic MB/step/rank, expected: 2({dp}-1)/{dp} × copy", "steps",
+    ]  # fmt: skip
+    rows = [
+        [
+            s.name,
+            _figures(s.allreduce_ms, ".1f"),
+            _figures(s.allreduce_wait_ms, ".1f"),
+            _percentages(s.hidden),
+            _percentages(s.hidden_run),
+            _figures(s.peer_wait_ms, ".1f"),
+            _figures(s.allreduce_mb, ".2f"),
+            _figures(s.param_mb, ".2f"),
+            _figures([ring_traffic_mb(p, dp) for p in s.param_mb], ".2f"),
+            str(s.steps),
+        ]
+        for s in summaries
     ]
-    for s in summaries:
-        lines.append(
-            f"| {s.name} | {_figures(s.allreduce_ms, '.1f')} "
-            f"| {_figures(s.allreduce_wait_ms, '.1f')} | {_percentages(s.hidden)} "
-            f"| {_percentages(s.hidden_run)} | {_figures(s.peer_wait_ms, '.1f')} "
-            f"| {_figures(s.allreduce_mb, '.2f')} | {_figures(s.param_mb, '.2f')} "
-            f"| {_figures([ring_traffic_mb(p, dp) for p in s.param_mb], '.2f')} | {s.steps} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows, align="lllllllllr")
 
 
 def markdown(summaries: list[VariantSummary], found: list[Target]) -> str:
     """The results table and the targets, as markdown; per-stage cells list stage 0 first."""
-    lines = [
-        "| variant | tokens/s | × torch 1F1B | final loss | idle (measured) "
-        "| bubble (sim, measured stage times) | bubble (sim, F=1 B=2) "
-        "| peak memory MB | peak MB, memory pass | weight copies |",
-        "|---|---:|---:|---:|---|---|---|---|---|---|",
-    ]
+    header = [
+        "variant", "tokens/s", "× torch 1F1B", "final loss", "idle (measured)",
+        "bubble (sim, measured stage times)", "bubble (sim, F=1 B=2)", "peak memory MB",
+        "peak MB, memory pass", "weight copies",
+    ]  # fmt: skip
+    rows = []
     for s in summaries:
         ratio = "n/a" if s.ratio_to_baseline is None else f"{s.ratio_to_baseline:.3f}"
-        lines.append(
-            f"| {s.name} | {s.tokens_per_s:,.0f} | {ratio} | {s.final_loss:.4f} "
-            f"| {_percentages(s.idle)} | {_percentages(s.bubble_timed)} "
-            f"| {_percentages(s.bubble_uniform)} | {_megabytes(s.peak_mem_mb)} "
-            f"| {_megabytes(s.tensor_mem_mb)} | {' / '.join(map(str, s.weight_versions))} |"
-        )
+        rows.append([
+            s.name, f"{s.tokens_per_s:,.0f}", ratio, f"{s.final_loss:.4f}",
+            _percentages(s.idle), _percentages(s.bubble_timed), _percentages(s.bubble_uniform),
+            _megabytes(s.peak_mem_mb), _megabytes(s.tensor_mem_mb),
+            " / ".join(map(str, s.weight_versions)),
+        ])  # fmt: skip
+    lines = [markdown_table(header, rows, align="lrrrllllll")]
     param = " / ".join(f"{p:.2f}" for p in summaries[0].param_mb) if summaries else "n/a"
     lines += ["", f"One weight copy per stage: {param} MB.", ""]
     lines += [cost_model_markdown(summaries), ""]
     if found:
-        lines += ["| target | measured | required | met |", "|---|---|---|---|"]
-        lines += [f"| {t.claim} | {t.measured} | {t.required} | {_met(t.met)} |" for t in found]
+        rows = [[t.claim, t.measured, t.required, _met(t.met)] for t in found]
+        lines.append(markdown_table(["target", "measured", "required", "met"], rows))
     return "\n".join(lines)
 
 
 def cost_model_markdown(summaries: list[VariantSummary]) -> str:
     """The cost model's throughput from each variant's measured stage times against the
     measured throughput (issue 14 asks for errors within 5%)."""
-    lines = [
-        "| variant | tokens/s measured | tokens/s predicted (cost model, measured stage times) "
-        "| error |",
-        "|---|---:|---:|---:|",
+    header = [
+        "variant",
+        "tokens/s measured",
+        "tokens/s predicted (cost model, measured stage times)",
+        "error",
     ]
+    rows = []
     for s in summaries:
         if s.predicted_tokens_per_s is None:
-            lines.append(f"| {s.name} | {s.tokens_per_s:,.0f} | n/a | n/a |")
+            rows.append([s.name, f"{s.tokens_per_s:,.0f}", "n/a", "n/a"])
             continue
         error = s.predicted_tokens_per_s / s.tokens_per_s - 1
-        lines.append(
-            f"| {s.name} | {s.tokens_per_s:,.0f} | {s.predicted_tokens_per_s:,.0f} | {error:+.1%} |"
-        )
-    return "\n".join(lines)
+        rows.append([
+            s.name, f"{s.tokens_per_s:,.0f}", f"{s.predicted_tokens_per_s:,.0f}", f"{error:+.1%}"
+        ])  # fmt: skip
+    return markdown_table(header, rows, align="lrrr")
 
 
 def ordered(names: Sequence[str]) -> list[str]:

@@ -110,18 +110,6 @@ def with_options(variants: list[Variant], sets: list[tuple[str, ...]]) -> list[V
 ZERO_SUFFIX = "+zero"  # a variant run with sharded state: "2bw+zero1"
 
 
-def zero_levels(spec: str) -> list[int]:
-    """``1,2`` as the zero levels to measure beside zero=0; a :class:`ConfigError` names a
-    wrong one."""
-    levels = [entry.strip() for entry in spec.split(",") if entry.strip()]
-    if not levels or any(level not in ("1", "2") for level in levels):
-        raise ConfigError(
-            f"--zero {spec!r}: give the sharded levels to measure beside zero=0, 1 and/or 2, "
-            "e.g. --zero 1 or --zero 1,2"
-        )
-    return sorted({int(level) for level in levels})
-
-
 def with_zero(variants: list[Variant], levels: list[int]) -> list[Variant]:
     """Each of our variants, followed by itself at every sharded level (``zero=N``); torch's
     baselines run as they are (their replicas hold everything)."""

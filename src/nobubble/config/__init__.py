@@ -1,7 +1,7 @@
 """The configuration schema: every setting, its help and its range, in sections; parsing and the
 checks the schema alone can make. It imports nothing else of nobubble (docs/architecture.md)."""
 
-from nobubble.config.checks import check_schema, profile_range
+from nobubble.config.checks import check_schema, profile_range, zero_problem
 from nobubble.config.correction import correction_names
 from nobubble.config.fields import (
     ConfigError,
@@ -46,4 +46,5 @@ __all__ = [
     "setting",
     "suggest",
     "unknown_key_error",
+    "zero_problem",
 ]

@@ -1,10 +1,12 @@
 """What the schema alone can check: numbers in their ranges, words among their choices, loggers,
-the profiled steps, and that the batch divides into microbatches and replicas."""
+the profiled steps, that the batch divides into microbatches and replicas, and whether sharded
+state has replicas to be shared over."""
 
 from __future__ import annotations
 
 from nobubble.config.fields import ConfigError, check_choice
 from nobubble.config.logging import chosen_loggers
+from nobubble.config.parallel import ParallelSettings
 from nobubble.config.schema import FIELDS, TrainConfig
 
 
@@ -34,6 +36,18 @@ def check_schema(cfg: TrainConfig) -> None:
             f"{cfg.microbatch_size()} sequences, which dp={cfg.dp} replicas cannot share equally; "
             f"batch_size must be a multiple of microbatches x dp = {cfg.microbatches * cfg.dp}"
         )
+
+
+def zero_problem(parallel: ParallelSettings) -> str | None:
+    """Why ``parallel.zero`` has nothing to shard (one replica), or None. The planner and the
+    bench, asked to predict or measure sharded state, refuse it; a training run warns that it
+    does not read ``zero`` at dp=1 (:data:`nobubble.unused.READ_WHEN`) and trains as with 0."""
+    if parallel.zero and parallel.dp == 1:
+        return (
+            f"zero={parallel.zero} shares the optimizer state out over the data-parallel "
+            "replicas, and dp=1 has none to share it with; set dp to 2 or more, or zero to 0"
+        )
+    return None
 
 
 def _check_numbers(cfg: TrainConfig) -> None:

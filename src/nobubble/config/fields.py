@@ -50,6 +50,16 @@ class Range:
         why = f" ({self.why})" if self.why else ""
         return f"must be {self}{finite}, got {value!r}{why}"
 
+    def within(self, wider: Range) -> bool:
+        """Whether every value this range takes, ``wider`` takes too."""
+        low = self.low > wider.low or (
+            self.low == wider.low and (self.low_open or not wider.low_open)
+        )
+        high = self.high < wider.high or (
+            self.high == wider.high and (self.high_open or not wider.high_open)
+        )
+        return low and high
+
     def __str__(self) -> str:
         if self.high == math.inf:
             if self.low == 0 and self.low_open:

@@ -19,6 +19,7 @@ from nobubble.config.fields import NON_NEGATIVE
 from nobubble.config.flags import whole
 from nobubble.destinations import check_output_folder
 from nobubble.downstream.harness import LIST_HINT
+from nobubble.markdown import markdown_table
 
 
 def _batch_size(text: str) -> int | str:
@@ -83,8 +84,6 @@ def _value_and_stderr(score: Mapping[str, float | None]) -> tuple[str, str]:
 
 def score_table(record: Mapping[str, Any]) -> str:
     """The headline scores of a score file as a Markdown table."""
-    from nobubble.reporting.table import markdown_table
-
     rows = []
     for name in record["headline"]:
         result = record["results"][name]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nobubble.faults.draw import KINDS, RANK_KINDS, Trial
+from nobubble.markdown import markdown_table
 from nobubble.provenance import machine_in_words
 
 EXACT = "exact"  # resumed to the end, its metrics and final weights bitwise its twin's
@@ -102,11 +103,14 @@ def markdown(summary: Mapping[str, Any]) -> str:
         f"{totals['missed']} ended before their fault, {totals['not available here']} drew a "
         "fault not available here.",
         "",
-        "| fault | " + " | ".join(COUNTED) + " |",
-        "|---" * (len(COUNTED) + 1) + "|",
+        markdown_table(
+            ["fault", *COUNTED],
+            [
+                [kind, *(str(counts[key]) for key in COUNTED)]
+                for kind, counts in summary["by_kind"].items()
+            ],
+        ),
     ]
-    for kind, counts in summary["by_kind"].items():
-        lines.append(f"| {kind} | " + " | ".join(str(counts[key]) for key in COUNTED) + " |")
     lines.append("")
     timeout = summary["p2p_timeout_s"]
     for kind in RANK_KINDS:

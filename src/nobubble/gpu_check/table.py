@@ -14,7 +14,7 @@ from nobubble.gpu_check.audit import audit_verdict
 from nobubble.gpu_check.parity import finished, verdict
 from nobubble.gpu_check.plan import REPEAT, planned
 from nobubble.gpu_check.runs import AUDIT, MODEL, REFERENCE, SMOKE, THROUGHPUT, TRAINING, Run
-from nobubble.reporting.table import markdown_table
+from nobubble.markdown import markdown_table
 
 # the verdicts that fail the check ("not run": out of time)
 FAILED = ("failed", "DIFFERS", "timed out", "SYNCS")

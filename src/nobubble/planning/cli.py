@@ -9,8 +9,17 @@ from pathlib import Path
 
 from nobubble.config import ConfigError, Range
 from nobubble.config.fields import POSITIVE
-from nobubble.config.flags import real, whole, wholes
+from nobubble.config.flags import (
+    SettingValue,
+    add_setting_flags,
+    real,
+    section_of,
+    whole,
+    wholes,
+)
+from nobubble.config.parallel import ParallelSettings
 from nobubble.destinations import check_output_file
+from nobubble.markdown import markdown_table
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.planning.costs import non_embedding_parameters
 from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
@@ -41,41 +50,30 @@ GRID_SHAPES = Range(1, 64, high_open=False, why="each predicts every schedule, a
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="llama3-8b", choices=list(PLANNING_SHAPES))
+    # a cluster's shape, not a laptop's: llama3-8b at 4096 tokens on 4 stages, 16 microbatches
+    add_setting_flags(
+        parser,
+        ("preset", "vocab_size", "seq_len", "stages", "microbatches", "dp", "chunks", "zero"),
+        defaults={"preset": "llama3-8b", "vocab_size": 256, "seq_len": 4096, "stages": 4,
+                  "microbatches": 16},
+        limits=dict.fromkeys(("vocab_size", "seq_len", "stages", "microbatches", "dp", "chunks"),
+                             COUNT),
+        names_of={"preset": tuple(PLANNING_SHAPES)},
+        notes={"vocab_size": "read only for a preset that takes it from a tokenizer; 256: bytes"},
+    )  # fmt: skip
     parser.add_argument(
-        "--vocab-size",
+        "--microbatch-size",
         type=whole(COUNT),
-        default=256,
-        help="vocabulary of a preset that takes it from its tokenizer (default: 256, bytes)",
+        default=1,
+        help="sequences per microbatch and replica (default: 1)",
     )
-    parser.add_argument("--seq-len", type=whole(COUNT), default=4096)
-    parser.add_argument(
-        "--microbatch-size", type=whole(COUNT), default=1, help="sequences per microbatch"
-    )
-    parser.add_argument("--stages", type=whole(COUNT), default=4, help="pipeline ranks P")
-    parser.add_argument(
-        "--microbatches", type=whole(COUNT), default=16, help="microbatches M per step"
-    )
-    parser.add_argument("--dp", type=whole(COUNT), default=1, help="data-parallel replicas")
-    parser.add_argument(
-        "--chunks", type=whole(COUNT), default=2, help="stages per rank, interleaved-1f1b"
-    )
-    parser.add_argument(
-        "--zero",
-        type=int,
-        default=0,
-        choices=(0, 1, 2),
-        help="sharded data parallelism: 1 shares the optimizer state out over the dp replicas, "
-        "2 the reduced gradient too (default: 0)",
-    )
-    parser.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="keep each block's input only and recompute the block in the backward",
-    )
+    add_setting_flags(parser, ["activation_checkpointing"])
     parser.add_argument("--gpu", default="h100", choices=list(DEVICES))
-    parser.add_argument(
-        "--peak-tflops", type=real(PEAK_TFLOPS), help="override the GPU's dense BF16 peak"
+    add_setting_flags(
+        parser,
+        ["peak_tflops"],
+        limits={"peak_tflops": PEAK_TFLOPS},
+        shown={"peak_tflops": "the --gpu's"},
     )
     parser.add_argument(
         "--mfu",
@@ -98,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--grid",
-        type=wholes(COUNT),
+        type=SettingValue("stages", COUNT, many=True),
         metavar="P,P,...",
         help="instead of one shape: 2bw against the best synchronous schedule for each of these "
         "stage counts P, with M = r·P for each r of --grid-ratios (--stages and "
@@ -112,11 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"M/P ratios (default 1,2,4,8); at most {GRID_SHAPES.high:,} shapes in all",
     )
     parser.add_argument("--png", type=Path, help="with --grid: also draw it into this PNG")
-    parser.add_argument(
-        "--optim",
-        choices=OPTIMIZERS,
-        help="also each schedule's time to the synchronous run's final loss with this optimizer, "
-        "from the fitted law of the delay's extra steps",
+    add_setting_flags(
+        parser,
+        ["optim"],
+        defaults={"optim": None},
+        names_of={"optim": OPTIMIZERS},
+        notes={
+            "optim": "given: also each schedule's time to the synchronous run's final loss with "
+            "this optimizer, from the fitted law of the delay's extra steps"
+        },
     )
     parser.add_argument(
         "--laws",
@@ -143,8 +145,6 @@ def _link(link: Link, gbps: float | None, latency_us: float | None) -> Link:
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan the flags ask for (each number already in its range: add_arguments)."""
-    if args.zero and args.dp == 1:
-        raise ConfigError("--zero shares the state out over data-parallel replicas; give --dp 2+")
     model = PLANNING_SHAPES[args.preset]
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=args.vocab_size)
@@ -153,17 +153,13 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         device = dataclasses.replace(device, peak_tflops=args.peak_tflops)
     return Plan(
         model=model,
-        stages=args.stages,
-        microbatches=args.microbatches,
+        parallel=section_of(ParallelSettings, args),
         microbatch_size=args.microbatch_size,
         seq_len=args.seq_len,
-        dp=args.dp,
         device=device,
         mfu=args.mfu,
         p2p=_link(LINKS[args.p2p], args.p2p_gbps, args.p2p_latency_us),
         allreduce=_link(LINKS[args.allreduce], args.allreduce_gbps, None),
-        chunks=args.chunks,
-        zero=args.zero,
         activation_checkpointing=args.activation_checkpointing,
     )
 
@@ -194,18 +190,24 @@ def largest_fitting(plan: Plan, schedule: str, limit_gb: float) -> str:
 
 
 def table(results: list[Estimate], limit_gb: float, largest: dict[str, str]) -> str:
-    lines = [
-        "| schedule | step (ms) | tokens/s | bubble | data-parallel comm. exposed (ms) "
-        "| peak memory per GPU (GB) | fits | largest Llama 3 that fits |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+    header = [
+        "schedule", "step (ms)", "tokens/s", "bubble", "data-parallel comm. exposed (ms)",
+        "peak memory per GPU (GB)", "fits", "largest Llama 3 that fits",
+    ]  # fmt: skip
+    rows = [
+        [
+            p.schedule,
+            f"{p.step_s * 1e3:.1f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.bubble:.1%}",
+            f"{p.exposed_dp_s * 1e3:.1f}",
+            f"{p.peak_memory_gb:.1f}",
+            "yes" if p.peak_memory_gb <= limit_gb else "no",
+            largest[p.schedule],
+        ]
+        for p in results
     ]
-    for p in results:
-        lines.append(
-            f"| {p.schedule} | {p.step_s * 1e3:.1f} | {p.tokens_per_s:,.0f} | {p.bubble:.1%} "
-            f"| {p.exposed_dp_s * 1e3:.1f} | {p.peak_memory_gb:.1f} "
-            f"| {'yes' if p.peak_memory_gb <= limit_gb else 'no'} | {largest[p.schedule]} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows, align="lrrrrrll")
 
 
 def check_grid(args: argparse.Namespace) -> None:
@@ -219,7 +221,7 @@ def run_grid(args: argparse.Namespace, plan: Plan) -> int:
     points = grid(plan, args.grid, args.grid_ratios)
     title = (
         f"{args.preset}: {plan.device.name} at MFU {plan.mfu:g}, p2p {plan.p2p.gb_per_s:g} GB/s, "
-        f"dp {plan.dp}"
+        f"dp {plan.parallel.dp}"
     )
     print(title)
     print(grid_table(points))
@@ -263,12 +265,13 @@ def run(args: argparse.Namespace) -> int:
         tokens = args.tokens or TOKENS_PER_PARAMETER * non_embedding_parameters(plan.model)
         target = time_to_target(plan, results, laws, args.optim, tokens, limit)
     if args.json:
+        shape = plan.parallel
         extra = {"time_to_target": target_json(args, plan, target)} if args.optim else {}
         print(json.dumps({
             "plan": {
-                "preset": args.preset, "stages": plan.stages, "microbatches": plan.microbatches,
-                "microbatch_size": plan.microbatch_size, "seq_len": plan.seq_len, "dp": plan.dp,
-                "zero": plan.zero, "activation_checkpointing": plan.activation_checkpointing,
+                "preset": args.preset, "stages": shape.stages, "microbatches": shape.microbatches,
+                "microbatch_size": plan.microbatch_size, "seq_len": plan.seq_len, "dp": shape.dp,
+                "zero": shape.zero, "activation_checkpointing": plan.activation_checkpointing,
                 "gpu": dataclasses.asdict(plan.device), "mfu": plan.mfu,
                 "p2p": dataclasses.asdict(plan.p2p),
                 "allreduce": dataclasses.asdict(plan.allreduce),
@@ -282,11 +285,12 @@ def run(args: argparse.Namespace) -> int:
             "best": best,
         } | extra, indent=2))  # fmt: skip
         return 0 if results else 1
+    shape = plan.parallel
     print(
-        f"{args.preset} on {plan.stages} x {plan.dp} {plan.device.name} (peak "
-        f"{plan.device.peak_tflops:g} TFLOP/s at MFU {plan.mfu:g}), M={plan.microbatches} x "
+        f"{args.preset} on {shape.stages} x {shape.dp} {plan.device.name} (peak "
+        f"{plan.device.peak_tflops:g} TFLOP/s at MFU {plan.mfu:g}), M={shape.microbatches} x "
         f"{plan.microbatch_size} x {plan.seq_len} tokens, p2p {plan.p2p.name}, dp all-reduce "
-        f"{plan.allreduce.name}, zero={plan.zero}, activation checkpointing "
+        f"{plan.allreduce.name}, zero={shape.zero}, activation checkpointing "
         f"{'on' if plan.activation_checkpointing else 'off'}"
     )
     if results:
@@ -304,7 +308,8 @@ def conclusion(plan: Plan, results: list[Estimate], limit: float, best: str | No
     """The last line: the best schedule that fits, or why there is none."""
     if not results:
         return (
-            f"no schedule could be predicted for P={plan.stages}, M={plan.microbatches}: none "
+            f"no schedule could be predicted for P={plan.parallel.stages}, "
+            f"M={plan.parallel.microbatches}: none "
             "can run this shape (each one's reason is above)"
         )
     if best is None:

@@ -25,10 +25,12 @@ and extends them to M exactly, at a cost that does not grow with M.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from nobubble.config import ConfigError
+from nobubble.config import ConfigError, zero_problem
+from nobubble.config.parallel import ParallelSettings
 from nobubble.model.presets import ModelConfig
 from nobubble.planning.costs import (
     BYTES_GRADIENT,
@@ -38,6 +40,7 @@ from nobubble.planning.costs import (
 )
 from nobubble.planning.hardware import Device, Link
 from nobubble.schedules import SimResult, generate, lower, schedule_spec, simulate
+from nobubble.schedules.registry import ScheduleSpec
 from nobubble.schedules.steady import Steady, steady_state
 
 # M up to which every microbatch is simulated: the larger of these. Beyond, extending three
@@ -49,23 +52,42 @@ STEADY_LIMIT = 4096  # the longest step simulated to find where a schedule's tim
 
 @dataclass(frozen=True)
 class Plan:
+    """What the cost model predicts: a model on a cluster, its pipeline and data-parallel shape
+    as a training run's ``parallel`` section says it (stages P, microbatches M per step, dp,
+    zero, chunks: None for each interleaved schedule's own). Every schedule is predicted, so
+    the section's ``schedule`` is not read."""
+
     model: ModelConfig
-    stages: int  # pipeline ranks P
-    microbatches: int  # M per step
-    microbatch_size: int  # sequences
+    parallel: ParallelSettings
+    microbatch_size: int  # sequences per microbatch and replica
     seq_len: int
-    dp: int
     device: Device
     mfu: float
     p2p: Link
     allreduce: Link
-    chunks: int = 2  # stages per rank of interleaved schedules
-    zero: int = 0  # sharded data parallelism: 1 the optimizer state, 2 and the gradient
     activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        problem = zero_problem(self.parallel)
+        if problem:
+            raise ConfigError(problem)
+
+    def shaped(self, **parallel: int) -> Plan:
+        """This plan with ``parallel``'s settings changed (``stages=8, microbatches=32``)."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, **parallel))
 
     @property
     def tokens_per_step(self) -> int:
-        return self.microbatches * self.microbatch_size * self.seq_len * self.dp
+        p = self.parallel
+        return p.microbatches * self.microbatch_size * self.seq_len * p.dp
+
+
+def chunks_of(plan: Plan, spec: ScheduleSpec) -> int:
+    """The stages per rank ``spec`` runs ``plan`` with: the plan's chunks (or the schedule's
+    own) for an interleaved schedule, else one."""
+    if not spec.interleaved:
+        return 1
+    return plan.parallel.chunks or spec.default_chunks
 
 
 @dataclass(frozen=True)
@@ -85,11 +107,11 @@ class Estimate:
 def shape_problem(plan: Plan, schedule: str) -> str | None:
     """Why ``schedule`` cannot run ``plan``'s shape (its M rule, its stages per rank, too few
     blocks for its model stages), or None."""
-    spec = schedule_spec(schedule)
-    chunks = plan.chunks if spec.interleaved else 1
-    problem = spec.microbatch_problem(plan.stages, plan.microbatches) or spec.chunk_problem(chunks)
-    if problem is None and plan.model.n_layers < plan.stages * chunks:
-        problem = f"{plan.model.n_layers} blocks cannot fill {plan.stages * chunks} stages"
+    spec, p = schedule_spec(schedule), plan.parallel
+    chunks = chunks_of(plan, spec)
+    problem = spec.microbatch_problem(p.stages, p.microbatches) or spec.chunk_problem(chunks)
+    if problem is None and plan.model.n_layers < p.stages * chunks:
+        problem = f"{plan.model.n_layers} blocks cannot fill {p.stages * chunks} stages"
     return problem
 
 
@@ -150,7 +172,7 @@ def _plus(a: tuple[int, ...], d: tuple[int, ...], times: int) -> tuple[int, ...]
 def _run(
     plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int, steps: int
 ) -> SimResult:
-    actions = generate(schedule, plan.stages, microbatches, steps, chunks)
+    actions = generate(schedule, plan.parallel.stages, microbatches, steps, chunks)
     return simulate(
         lower(actions), fwd=times.fwd, bwd=times.bwd, comm=times.comm, wgrad=times.wgrad
     )
@@ -172,38 +194,38 @@ def _simulated(
 
 def _simulated_up_to(plan: Plan) -> int:
     """The largest M simulated microbatch by microbatch."""
-    return max(EXACT_MICROBATCHES, EXACT_PER_STAGE * plan.stages)
+    return max(EXACT_MICROBATCHES, EXACT_PER_STAGE * plan.parallel.stages)
 
 
 def _steady(plan: Plan, schedule: str, chunks: int, times: _Times, cool_down: int) -> Steady:
     """Where one long step of ``schedule`` repeats: steps of doubling length, up to
     :data:`STEADY_LIMIT` microbatches."""
-    length = 16 * plan.stages  # a multiple of P, as interleaved schedules need
+    length = 16 * plan.parallel.stages  # a multiple of P, as interleaved schedules need
     while length <= STEADY_LIMIT:
         steady = steady_state(_run(plan, schedule, chunks, times, length, 1), cool_down)
         if steady is not None:
             return steady
         length *= 2
     raise ConfigError(
-        f"--microbatches {plan.microbatches}: a simulated step of {schedule} did not settle "
-        f"into a repeating pattern within {STEADY_LIMIT} microbatches, so its figures cannot "
-        f"be extended from a bounded simulation; use --microbatches {_simulated_up_to(plan)} "
-        "or fewer (simulated microbatch by microbatch)"
+        f"--microbatches {plan.parallel.microbatches}: a simulated step of {schedule} did not "
+        f"settle into a repeating pattern within {STEADY_LIMIT} microbatches, so its figures "
+        "cannot be extended from a bounded simulation; use --microbatches "
+        f"{_simulated_up_to(plan)} or fewer (simulated microbatch by microbatch)"
     )
 
 
 def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulated:
-    """The simulator's figures for ``plan.microbatches``: simulated, or extended exactly from
+    """The simulator's figures for the plan's microbatches: simulated, or extended exactly from
     three simulated shapes a period apart once the steps repeat (see the module's note)."""
-    m = plan.microbatches
+    m = plan.parallel.microbatches
     if m <= _simulated_up_to(plan):
         return _simulated(plan, schedule, chunks, times, m)
     # the last microbatches, whose actions a step's end reorders: those within a warm-up (at
     # most 2P forwards ahead, zb-h2) and, interleaved, their group of P
-    cool_down = 3 * plan.stages + 2
+    cool_down = 3 * plan.parallel.stages + 2
     steady = _steady(plan, schedule, chunks, times, cool_down)
     # interleaved schedules take M in multiples of P: so do the shapes simulated
-    period = math.lcm(steady.period, plan.stages) if chunks > 1 else steady.period
+    period = math.lcm(steady.period, plan.parallel.stages) if chunks > 1 else steady.period
     base = steady.settled + cool_down + period
     base += (m - base) % period
     if m <= base + 2 * period:
@@ -227,11 +249,11 @@ def bytes_per_parameter(plan: Plan, versions: int, behind_compute: bool) -> floa
     gradient, the optimizer state (1/dp of it with zero > 0) and, where the reduction runs
     behind the next step's compute (``behind_compute`` with dp > 1), the reduced gradient it
     holds meanwhile (all of it; 1/dp with zero=2)."""
-    dp = plan.dp
+    dp = plan.parallel.dp
     held = BYTES_PER_WEIGHT_VERSION * versions + BYTES_GRADIENT
-    held += BYTES_OPTIMIZER_STATE / (dp if plan.zero else 1)
+    held += BYTES_OPTIMIZER_STATE / (dp if plan.parallel.zero else 1)
     if behind_compute and dp > 1:
-        held += BYTES_GRADIENT / (dp if plan.zero == 2 else 1)
+        held += BYTES_GRADIENT / (dp if plan.parallel.zero == 2 else 1)
     return held
 
 
@@ -240,18 +262,18 @@ def dp_bytes_per_parameter(plan: Plan) -> float:
     data-parallel link: a ring all-reduce of the FP32 gradient, 2(dp-1)/dp of it; with zero=1
     that and an all-gather of the new BF16 weights, (dp-1)/dp of them; with zero=2 a
     reduce-scatter, (dp-1)/dp of the gradient, and the all-gather."""
-    share = (plan.dp - 1) / plan.dp
-    gather = share * BYTES_PER_WEIGHT_VERSION if plan.zero else 0.0
-    reduce = (1 if plan.zero == 2 else 2) * share * BYTES_GRADIENT
+    share = (plan.parallel.dp - 1) / plan.parallel.dp
+    gather = share * BYTES_PER_WEIGHT_VERSION if plan.parallel.zero else 0.0
+    reduce = (1 if plan.parallel.zero == 2 else 2) * share * BYTES_GRADIENT
     return reduce + gather
 
 
 def estimate(plan: Plan, schedule: str) -> Estimate:
     spec = schedule_spec(schedule)
-    chunks = plan.chunks if spec.interleaved else 1
+    chunks = chunks_of(plan, spec)
     costs = stage_costs(
         plan.model,
-        plan.stages * chunks,
+        plan.parallel.stages * chunks,
         plan.seq_len,
         plan.microbatch_size,
         plan.activation_checkpointing,
@@ -264,10 +286,10 @@ def estimate(plan: Plan, schedule: str) -> Estimate:
     simulated = _figures(plan, schedule, chunks, _Times(fwd, bwd, wgrad, comm))
     pipeline_s = simulated.pipeline_s
     ranks = simulated.rank_stages
-    busy = [plan.microbatches * sum(fwd[s] + bwd[s] for s in stages) for stages in ranks]
+    busy = [plan.parallel.microbatches * sum(fwd[s] + bwd[s] for s in stages) for stages in ranks]
     exposed = 0.0
-    if plan.dp > 1:  # pipedream updates, and so communicates, after every microbatch
-        per_step = plan.microbatches if spec.step_per_microbatch else 1
+    if plan.parallel.dp > 1:  # pipedream updates, and so communicates, after every microbatch
+        per_step = plan.parallel.microbatches if spec.step_per_microbatch else 1
         for r, stages in enumerate(ranks):
             dp_bytes = dp_bytes_per_parameter(plan) * sum(costs[s].parameters for s in stages)
             dp_s = dp_bytes / (plan.allreduce.gb_per_s * 1e9)

@@ -7,11 +7,11 @@ them at any memory, and over the fastest that needs no more peak memory per GPU 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from nobubble.config import ConfigError
+from nobubble.markdown import markdown_table
 from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
 
@@ -47,7 +47,8 @@ def grid_point(plan: Plan) -> GridPoint:
         else:
             runs.append(estimate(plan, name))
     runs.sort(key=lambda p: p.step_s)
-    return GridPoint(plan.stages, plan.microbatches, estimate(plan, ASYNC), runs, skipped)
+    shape = plan.parallel
+    return GridPoint(shape.stages, shape.microbatches, estimate(plan, ASYNC), runs, skipped)
 
 
 def grid(plan: Plan, stages: list[int], ratios: list[int]) -> list[GridPoint]:
@@ -60,30 +61,26 @@ def grid(plan: Plan, stages: list[int], ratios: list[int]) -> list[GridPoint]:
             f"--grid: the model has {plan.model.n_layers} blocks, too few for P = "
             f"{', '.join(map(str, too_deep))}; choose fewer stages or a deeper preset"
         )
-    return [
-        grid_point(dataclasses.replace(plan, stages=p, microbatches=r * p))
-        for p in stages
-        for r in ratios
-    ]
+    return [grid_point(plan.shaped(stages=p, microbatches=r * p)) for p in stages for r in ratios]
 
 
 def grid_table(points: list[GridPoint]) -> str:
-    lines = [
-        "| P | M | 2bw tokens/s | best sync | 2bw / best sync | best sync at <= 2bw's memory "
-        "| 2bw / it | 2bw GB | bubble of best sync |",
-        "|---:|---:|---:|---|---:|---|---:|---:|---:|",
-    ]
+    header = [
+        "P", "M", "2bw tokens/s", "best sync", "2bw / best sync", "best sync at <= 2bw's memory",
+        "2bw / it", "2bw GB", "bubble of best sync",
+    ]  # fmt: skip
+    rows = []
     for pt in points:
         a, best, fit = pt.async_run, pt.best_sync, pt.best_sync_within_memory
         fit_name, fit_ratio = "none", "n/a"
         if fit is not None:
             fit_name, fit_ratio = fit.schedule, f"{a.tokens_per_s / fit.tokens_per_s:.3f}x"
-        lines.append(
-            f"| {pt.stages} | {pt.microbatches} | {a.tokens_per_s:,.0f} | {best.schedule} "
-            f"| {a.tokens_per_s / best.tokens_per_s:.3f}x | {fit_name} | {fit_ratio} "
-            f"| {a.peak_memory_gb:.0f} | {best.bubble:.1%} |"
-        )
-    return "\n".join(lines)
+        rows.append([
+            str(pt.stages), str(pt.microbatches), f"{a.tokens_per_s:,.0f}", best.schedule,
+            f"{a.tokens_per_s / best.tokens_per_s:.3f}x", fit_name, fit_ratio,
+            f"{a.peak_memory_gb:.0f}", f"{best.bubble:.1%}",
+        ])  # fmt: skip
+    return markdown_table(header, rows, align="rrrlrlrrr")
 
 
 def grid_png(points: list[GridPoint], path: Path, title: str) -> None:

@@ -142,7 +142,7 @@ def time_to_target(
         if spec.flushes:
             rows.append(Row(e.schedule, e.step_s, fits, (steps, steps, steps)))
             continue
-        delays = spec.delays(plan.stages)
+        delays = spec.delays(plan.parallel.stages)
         if set(delays) != {1} or spec.step_per_microbatch:
             uncovered[e.schedule] = (
                 f"its delay is {min(delays)} to {max(delays)} steps by stage"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from nobubble.markdown import markdown_table
 from nobubble.planning.estimate import Plan
 from nobubble.planning.target import (
     FIT_COMMAND,
@@ -89,18 +90,21 @@ def target_lines(
         f"time to the synchronous final loss with {target.optim}: {_count(target.params)} "
         f"non-embedding parameters, {_count(target.tokens)} tokens ({_tokens_rule(args)}): "
         f"{target.steps:,} synchronous steps of {plan.tokens_per_step:,} tokens",
-        f"| schedule | step (ms) | steps | steps, {LEVEL:.0%} interval | time to target (h) "
-        f"| time, {LEVEL:.0%} interval (h) | fits |",
-        "|---|---:|---:|---:|---:|---:|---|",
     ]
+    header = [
+        "schedule", "step (ms)", "steps", f"steps, {LEVEL:.0%} interval", "time to target (h)",
+        f"time, {LEVEL:.0%} interval (h)", "fits",
+    ]  # fmt: skip
+    rows = []
     for r in target.rows:
         (s_lo, s_mid, s_hi), (t_lo, t_mid, t_hi) = r.steps, [t / 3600 for t in r.time_s]
         steps_band = f"{s_lo:,.0f}-{s_hi:,.0f}" if r.law else "-"
         time_band = f"{t_lo:,.2f}-{t_hi:,.2f}" if r.law else "-"
-        lines.append(
-            f"| {r.setup} | {r.step_s * 1e3:.1f} | {s_mid:,.0f} | {steps_band} | {t_mid:,.2f} "
-            f"| {time_band} | {'yes' if r.fits else 'no'} |"
-        )
+        rows.append([
+            r.setup, f"{r.step_s * 1e3:.1f}", f"{s_mid:,.0f}", steps_band, f"{t_mid:,.2f}",
+            time_band, "yes" if r.fits else "no",
+        ])  # fmt: skip
+    lines.append(markdown_table(header, rows, align="lrrrrrl"))
     lines += [extrapolation(target, r) for r in target.rows if r.law]
     lines += [f"{name}: no time to target: {why}" for name, why in target.uncovered.items()]
     if target.missing:

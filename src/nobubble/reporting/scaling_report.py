@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nobubble.delay_law import QUANTITIES, save_laws
 from nobubble.destinations import make_output_folder
+from nobubble.markdown import markdown_table
 from nobubble.reporting.groups import Stat
 from nobubble.reporting.law_fit import (
     BOOTSTRAP_SAMPLES,
@@ -40,7 +41,7 @@ from nobubble.reporting.scaling import (
     paper_checks,
     paper_params,
 )
-from nobubble.reporting.table import fmt_stat, markdown_table
+from nobubble.reporting.table import fmt_stat
 
 QUANTITY_NOTE = """Each delayed run is set against the synchronous run with the same settings and \
 seed (size, length, optimizer, learning rate). *gap*: its final validation loss minus sync's; \

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nobubble.markdown import markdown_table
 from nobubble.reporting.groups import (
     Comparison,
     Control,
@@ -32,12 +33,6 @@ from nobubble.staleness import (
 
 # shown in their own columns ("setup" names the schedule and the corrections), not under "settings"
 COLUMN_KEYS = ("optim", "schedule", "correction", "ef")
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def fmt_value(value: Any) -> str:

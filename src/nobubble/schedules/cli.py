@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from nobubble.config.fields import NON_NEGATIVE
-from nobubble.config.flags import real, reals, whole
+from nobubble.config.flags import add_setting_flags, real, reals, whole
 from nobubble.destinations import check_output_file
+from nobubble.markdown import markdown_table
 from nobubble.schedules.generators import generate
 from nobubble.schedules.invariants import check_invariants
 from nobubble.schedules.ir import ScheduleError
@@ -28,6 +29,7 @@ from nobubble.schedules.timing import (
 )
 from nobubble.schedules.trace import write_trace
 
+ALL = "all"  # --schedule all: every pipeline schedule
 PROGRESS_DELAY_S = 1.0  # work that takes longer draws a progress bar on stderr
 MAX_GRID_COLUMNS = 1_000_000  # characters of the text grid's rows, before wrapping
 
@@ -39,28 +41,18 @@ def _times(text: str) -> float | list[float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--schedule",
-        default="2bw",
-        choices=[*SCHEDULE_NAMES, "all"],
-        help="schedule to simulate; 'all' compares every pipeline schedule (default: 2bw)",
-    )
-    parser.add_argument("--stages", type=whole(), default=4, help="pipeline stages P (default: 4)")
-    parser.add_argument(
-        "--microbatches", type=whole(), default=8, help="microbatches M per step (default: 8)"
-    )
-    parser.add_argument(
-        "--steps",
-        type=whole(),
-        default=3,
-        help="optimizer steps of M microbatches (pipedream steps after every microbatch, so it "
-        "runs M*steps updates) (default: 3)",
-    )
-    parser.add_argument(
-        "--chunks",
-        type=whole(),
-        help="stages per rank for interleaved-1f1b (default: 2); the times below are per rank "
-        "and split equally over its stages",
+    # a schedule worth drawing: 2bw on 4 stages, 8 microbatches a step, 3 steps (the steady state)
+    add_setting_flags(
+        parser,
+        ("schedule", "stages", "microbatches", "steps", "chunks"),
+        defaults={"schedule": "2bw", "stages": 4, "microbatches": 8, "steps": 3},
+        names_of={"schedule": (*SCHEDULE_NAMES, ALL)},
+        notes={
+            "schedule": f"{ALL}: every pipeline schedule, compared",
+            "steps": "of M microbatches each; pipedream steps after every microbatch, so it runs "
+            "M*steps updates",
+            "chunks": "the times below are per rank and split equally over its stages",
+        },
     )
     parser.add_argument(
         "--fwd",
@@ -116,17 +108,22 @@ def _stage_table(result: SimResult) -> str:
 
 def comparison_table(results: dict[str, SimResult]) -> str:
     """A Markdown table: one row per schedule."""
-    lines = [
-        "| schedule | makespan | bubble | throughput (mb/unit) | peak activations per rank "
-        "| weight versions per rank |",
-        "|---|---:|---:|---:|---|---|",
+    header = [
+        "schedule", "makespan", "bubble", "throughput (mb/unit)", "peak activations per rank",
+        "weight versions per rank",
+    ]  # fmt: skip
+    rows = [
+        [
+            name,
+            f"{r.makespan:g}",
+            _percent(r.bubble_fraction_overall),
+            f"{r.throughput:.3f}",
+            str(r.peak_activations),
+            str(r.weight_versions),
+        ]
+        for name, r in results.items()
     ]
-    for name, r in results.items():
-        lines.append(
-            f"| {name} | {r.makespan:g} | {_percent(r.bubble_fraction_overall)} | "
-            f"{r.throughput:.3f} | {r.peak_activations} | {r.weight_versions} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows, align="lrrrll")
 
 
 def _chunks(args: argparse.Namespace, name: str) -> int | None:
@@ -150,7 +147,7 @@ def _check_size(args: argparse.Namespace, name: str) -> None:
 
 def _check(args: argparse.Namespace, names: Sequence[str]) -> None:
     """What can be wrong with the flags, found before any work."""
-    if args.chunks is not None and args.schedule != "all":
+    if args.chunks is not None and args.schedule != ALL:
         problem = schedule_spec(args.schedule).chunk_problem(args.chunks)
         if problem:
             raise ScheduleError(f"--chunks: {problem}")
@@ -192,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
 
     Bad input raises :class:`ScheduleError` (or ConfigError for an output path) before any work.
     """
-    names = PIPELINE_SCHEDULES if args.schedule == "all" else (args.schedule,)
+    names = PIPELINE_SCHEDULES if args.schedule == ALL else (args.schedule,)
     _check(args, names)
     shape = f"P={args.stages} M={args.microbatches} steps={args.steps}"
     results: dict[str, SimResult] = {}
@@ -243,9 +240,7 @@ def run(args: argparse.Namespace) -> int:
             }
             for name, result in results.items()
         }
-        print(
-            json.dumps(summaries if args.schedule == "all" else summaries[args.schedule], indent=2)
-        )
+        print(json.dumps(summaries if args.schedule == ALL else summaries[args.schedule], indent=2))
     else:
         for name, result in results.items():
             title = f"{name} {shape}"
