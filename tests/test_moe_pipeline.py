@@ -2,6 +2,8 @@
 engine, bit for bit: losses, final weights (balance biases included) and the routing statistics
 in metrics.jsonl; exact resume with bias balancing; the export's refusal (docs/moe.md)."""
 
+import json
+
 import pytest
 
 from nobubble.cli import main
@@ -56,6 +58,10 @@ def test_moe_pipeline_matches_the_simulation(tmp_path, stages, schedule, micro, 
     assert routing(tmp_path / "pipeline") == routing(tmp_path / "simulated")
     last = routing(tmp_path / "pipeline")[-1]
     assert sorted(last["moe_load"]) == ["1", "2", "3"]
+    grouped = "dtype=bfloat16" in extra  # both widths of these shapes are multiples of 8
+    for run in ("pipeline", "simulated"):
+        dispatch = json.loads((tmp_path / run / "summary.json").read_text())["moe_dispatch"]
+        assert (dispatch == "grouped GEMM") == grouped, dispatch
 
 
 def test_a_pipeline_moe_run_resumes_exactly_with_its_balance_biases(tmp_path):

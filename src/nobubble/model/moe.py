@@ -244,6 +244,16 @@ def grouped_dispatch(d_model: int, width: int, device: torch.device, dtype: torc
     return device.type == "cpu"
 
 
+def dispatch_in_words(mc: ModelConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """How the MoE layers of ``mc`` multiplying in ``dtype`` on ``device`` dispatch their experts,
+    for summary.json (None for a dense model)."""
+    if mc.moe_experts == 0:
+        return None
+    if grouped_dispatch(mc.d_model, mc.expert_width, device, dtype):
+        return "grouped GEMM"
+    return "loop over the experts (reads their loads on the host)"
+
+
 def routing_size(mc: ModelConfig) -> int:
     """The length of one MoE layer's routing sums."""
     return mc.moe_experts + len(ROUTING_FIELDS)

@@ -87,7 +87,7 @@ def run_training(
 
     with (
         StepLogger(cfg, run, engine.step, before, usage, enabled=leader) as log,
-        stops_recorded(run, log, engine, usage, resumed_at),
+        stops_recorded(run, log, engine, mc, usage, resumed_at),
     ):
         if engine.step == 0:
             log.on_eval(0, engine.evaluate(val, token_bytes))
@@ -115,7 +115,7 @@ def run_training(
         log.on_stages(engine.step, stages)
     if not leader:
         return None
-    summary = run_summary(log, engine, usage, resumed_at, stages)
+    summary = run_summary(log, engine, mc, usage, resumed_at, stages)
     run.write_summary(summary)
     print(summary_line(summary, run.path, engine.layout.world, mc), flush=True)
     return summary

@@ -8,10 +8,13 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from nobubble.engine import Engine, peak_memory_mb
 from nobubble.hf.export import unexportable
 from nobubble.interrupt import Interrupted
 from nobubble.model.flops import Utilization
+from nobubble.model.moe import dispatch_in_words
 from nobubble.model.presets import ModelConfig
 from nobubble.optim.muon import ns_dtype
 from nobubble.provenance import machine, provenance
@@ -19,7 +22,7 @@ from nobubble.run.errors import NonFiniteError
 from nobubble.run.steplog import StepLogger
 from nobubble.runfolder.folder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder, RunWriteError
 from nobubble.runfolder.resume import resume_command
-from nobubble.stage_options import precision
+from nobubble.stage_options import compute_dtype, precision
 
 
 def why_stopped(error: BaseException) -> tuple[str, str]:
@@ -36,7 +39,12 @@ def why_stopped(error: BaseException) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def stops_recorded(
-    run: RunFolder, log: StepLogger, engine: Engine, usage: Utilization, resumed_at: int
+    run: RunFolder,
+    log: StepLogger,
+    engine: Engine,
+    mc: ModelConfig,
+    usage: Utilization,
+    resumed_at: int,
 ) -> Iterator[None]:
     """On the leader, write summary.json for a run that an error or a signal ends early, saying
     why; where it cannot be written, the run's own error is what the user sees. A session that
@@ -50,7 +58,7 @@ def stops_recorded(
         written = None
         if log.enabled and not (log.done == resumed_at and run.summary_path.exists()):
             stopped, reason = why_stopped(error)
-            summary = run_summary(log, engine, usage, resumed_at, None, stopped, reason)
+            summary = run_summary(log, engine, mc, usage, resumed_at, None, stopped, reason)
             try:
                 run.write_summary(summary)
                 written = True
@@ -69,6 +77,7 @@ def stops_recorded(
 def run_summary(
     log: StepLogger,
     engine: Engine,
+    mc: ModelConfig,
     usage: Utilization,
     resumed_at: int,
     stages: list[dict] | None,
@@ -77,7 +86,8 @@ def run_summary(
 ) -> dict:
     """summary.json: why the run stopped, its final evaluation (that of the last step, for a
     finished run; the last one there was, for a run stopped early), throughput, MFU, times and
-    memory, the code and the machine that ran it (and the dtype of Muon's Newton–Schulz)."""
+    memory, the code and the machine that ran it (and the dtype of Muon's Newton–Schulz, how the
+    experts of an MoE model ``mc`` dispatch)."""
     elapsed = log.elapsed()
     rate = log.tokens_per_s()
     summary = {
@@ -109,6 +119,9 @@ def run_summary(
     if log.cfg.optim == "muon":  # what muon_ns_dtype resolved to (auto: by the device type)
         resolved = ns_dtype(log.cfg.muon_ns_dtype, engine.device)
         summary["muon_ns_dtype"] = str(resolved).removeprefix("torch.")
+    experts_in = getattr(torch, compute_dtype(log.cfg.dtype, engine.device))
+    if dispatch := dispatch_in_words(mc, engine.device, experts_in):
+        summary["moe_dispatch"] = dispatch
     if resumed_at:
         summary["resumed_at_step"] = resumed_at
     if stages:
