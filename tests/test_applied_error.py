@@ -14,6 +14,8 @@ from nobubble.config import ConfigError
 from nobubble.configure import build_config
 from nobubble.corrections.registry import REGISTRY
 from nobubble.optim.registry import OPTIMIZERS
+from nobubble.settings_read import UnusedSettingWarning
+from nobubble.stage_update import TrainedStage
 from nobubble.staleness import (
     APPLIED_COSINE,
     APPLIED_ERROR,
@@ -22,8 +24,6 @@ from nobubble.staleness import (
     applied_error,
 )
 from nobubble.tracking import scalars_of
-from nobubble.unused import UnusedSettingWarning
-from nobubble.update import TrainedStage
 from tests.pipeline_helpers import SMALL, assert_same_run
 from tests.quadratic_toy import LR, quadratic_grad, quadratic_trainer
 

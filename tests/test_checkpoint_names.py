@@ -30,7 +30,7 @@ from nobubble.model.partition import partition, stage_parameter_names
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.optim.registry import OPTIMIZERS
-from nobubble.update import build_stage_optimizer
+from nobubble.stage_update import build_stage_optimizer
 from tests.pipeline_helpers import (
     EXTENDED,
     SMALL,

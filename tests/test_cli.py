@@ -17,7 +17,7 @@ import nobubble
 from nobubble.cli import build_parser, chosen_keys, main, warn_unused_settings, warnings_in_one_line
 from nobubble.config import FIELDS, ConfigError, NobubbleWarning, load_toml, parse_overrides
 from nobubble.configure import build_config
-from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning
+from nobubble.settings_read import READ_WHEN, RunFacts, UnusedSettingWarning
 from tests.launcher import run_nobubble
 from tests.pipeline_helpers import SMALL, env
 

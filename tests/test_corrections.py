@@ -24,7 +24,7 @@ from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.optim.lr_schedule import set_lr
 from nobubble.optim.registry import build_optimizer
-from nobubble.update import build_stage_optimizer
+from nobubble.stage_update import build_stage_optimizer
 from tests.test_delay_exact import column, quadratic_trainer
 from tests.test_delay_exact import run as run_steps
 

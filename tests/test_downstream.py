@@ -16,7 +16,7 @@ import pytest
 from nobubble.cli import build_parser, main
 from nobubble.downstream import harness
 from nobubble.downstream.harness import DownstreamError
-from nobubble.files import DamagedFile
+from nobubble.json_files import DamagedFile
 from nobubble.runfolder.scores import Column, latest_scores, write_scores
 from tests.test_report import make_run
 

@@ -10,7 +10,7 @@ import torch
 from nobubble.config import TrainConfig
 from nobubble.corrections.ef import ErrorFeedback
 from nobubble.optim.registry import OPTIMIZERS
-from nobubble.update import build_stage_optimizer
+from nobubble.stage_update import build_stage_optimizer
 
 
 def _quadratic_run(cfg: TrainConfig, w0: float, a: float, steps: int) -> float:

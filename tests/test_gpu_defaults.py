@@ -19,8 +19,8 @@ from nobubble.device import ALLOC_CONF, configure_cuda, configure_torch
 from nobubble.model.presets import PRESETS
 from nobubble.one_process import OneProcessEngine
 from nobubble.run.summary import summary_line
+from nobubble.settings_read import RunFacts, unused_settings
 from nobubble.stage_options import autocast, compute_dtype, precision
-from nobubble.unused import RunFacts, unused_settings
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 

@@ -173,7 +173,7 @@ def test_no_action_waits_for_the_device(tmp_path, processes, settings):
 def test_the_counter_counts_only_inside_and_names_the_caller():
     """The instrument itself: a read inside ``counting`` is counted by its nobubble caller, one
     outside is not."""
-    from nobubble.update import combined_norm
+    from nobubble.stage_update import combined_norm
 
     counter = SyncCounter()
     item = counter.wrap(torch.Tensor.item)
@@ -182,4 +182,4 @@ def test_the_counter_counts_only_inside_and_names_the_caller():
     with counter.counting():
         combined_norm(item(value) for _ in range(1))  # called from a nobubble generator
         item(value)  # from here: no nobubble frame
-    assert counter.sites == Counter({"update.py:<genexpr> item": 1})
+    assert counter.sites == Counter({"stage_update.py:<genexpr> item": 1})

@@ -8,7 +8,7 @@ import torch
 
 from nobubble.config import TrainConfig
 from nobubble.optim.lr_schedule import lr_at, set_lr
-from nobubble.update import build_stage_optimizer
+from nobubble.stage_update import build_stage_optimizer
 
 
 def _cfg(schedule: str, **kw) -> TrainConfig:

@@ -12,7 +12,7 @@ from nobubble.configure import resolve_config
 from nobubble.model.layers import build_model, lm_loss
 from nobubble.one_process import OneProcessEngine
 from nobubble.optim.lr_schedule import lr_at, set_lr
-from nobubble.update import build_stage_optimizer
+from nobubble.stage_update import build_stage_optimizer
 from tests.pipeline_helpers import SMALL, metrics
 
 STEPS = 5

@@ -18,8 +18,8 @@ from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.lr_schedule import set_lr
 from nobubble.optim.param_groups import Kind, classify
 from nobubble.optim.registry import OPTIMIZERS, build_optimizer, state_elements
-from nobubble.unused import READ_WHEN, RunFacts
-from nobubble.update import build_stage_optimizer
+from nobubble.settings_read import READ_WHEN, RunFacts
+from nobubble.stage_update import build_stage_optimizer
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
 # Same names and kinds as tiny, small enough to step every optimizer many times quickly.
@@ -267,7 +267,7 @@ class _Reads:
 
 def test_each_optimizer_and_correction_reads_the_settings_the_config_says_it_reads() -> None:
     """The optimizer registry and the corrections declare the settings they read, which
-    nobubble.unused turns into when each is read (what the warnings about unused settings go
+    nobubble.settings_read turns into when each is read (what the warnings about unused settings go
     by); here that against what building a stage's optimizer really reads."""
     facts = RunFacts(moe=False, torchrun=False)
     conditional = set(READ_WHEN)

@@ -524,8 +524,9 @@ def test_the_applied_step_error_beside_the_gap_and_its_rank_correlation(tmp_path
 
 
 def test_settings_that_do_nothing_in_a_run_do_not_keep_its_seeds_apart(tmp_path):
-    """zero=1 at dp=1 and a momentum AdamW does not have change nothing (nobubble.unused): such
-    runs pool with the others' seeds; at dp=2, where zero is read, it still tells runs apart."""
+    """zero=1 at dp=1 and a momentum AdamW does not have change nothing
+    (nobubble.settings_read): such runs pool with the others' seeds; at dp=2, where zero is read,
+    it still tells runs apart."""
     root = tmp_path / "runs"
     make_run(root, 2.0, seed=0)
     make_run(root, 2.2, seed=1, zero=1)

@@ -23,7 +23,7 @@ from nobubble.corrections.response import (
 )
 from nobubble.optim.muon import momentum_direction
 from nobubble.optim.registry import OPTIMIZERS
-from nobubble.update import build_stage_optimizer
+from nobubble.stage_update import build_stage_optimizer
 
 
 def _close(values, expected):

@@ -1,4 +1,4 @@
-"""The sharding plan of zero=1, 2 (nobubble.sharding) against the optimizers it shards.
+"""The sharding plan of zero=1, 2 (nobubble.zero_partition) against the optimizers it shards.
 
 Each replica's optimizer over its parts of a stage (blocks of rows, or whole parameters it owns)
 must compute exactly the rows of what one optimizer over the whole parameters computes, and
@@ -22,10 +22,10 @@ from nobubble.model.layers import build_model
 from nobubble.model.resolve import model_config
 from nobubble.optim.param_groups import classify
 from nobubble.optim.registry import OPTIMIZERS, state_elements, updates_whole
-from nobubble.pipeline.shards import ShardedUpdate
+from nobubble.pipeline.sharded_update import ShardedUpdate
 from nobubble.pipeline.transport import Transport, install
-from nobubble.sharding import ShardPlan
-from nobubble.update import build_stage_optimizer
+from nobubble.stage_update import build_stage_optimizer
+from nobubble.zero_partition import ShardPlan
 
 MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "seq_len": 32}
 MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 32, "moe_layers": [1]}

@@ -11,9 +11,9 @@ import torch
 from nobubble.checkpoint.files import CheckpointReader, newest_weights
 from nobubble.cli import main, warn_unused_settings
 from nobubble.configure import build_config
+from nobubble.settings_read import UnusedSettingWarning
 from nobubble.staleness import COSINE, DRIFT, weight_drift
 from nobubble.tracking import scalars_of
-from nobubble.unused import UnusedSettingWarning
 from nobubble.versions import VersionStore
 from tests.pipeline_helpers import SMALL
 from tests.quadratic_toy import quadratic_grad, quadratic_trainer

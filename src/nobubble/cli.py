@@ -27,7 +27,7 @@ from nobubble.configure import REGISTRY_NAMES, asks_for_auto, build_config
 from nobubble.corrections.auto import choose
 from nobubble.layout import first_process
 from nobubble.run.telling import Told, tell, user_errors
-from nobubble.unused import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
+from nobubble.settings_read import READ_WHEN, RunFacts, UnusedSettingWarning, unused_settings
 
 
 class AnyOrderParser(OneLineParser):

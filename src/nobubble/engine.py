@@ -1,4 +1,5 @@
-"""What the training loop needs from a backend (the update both apply: :mod:`nobubble.update`)."""
+"""What the training loop needs from a backend (the update both apply:
+:mod:`nobubble.stage_update`)."""
 
 from __future__ import annotations
 

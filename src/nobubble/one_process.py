@@ -1,8 +1,9 @@
 """The one-process engine: the exact semantics of every schedule, without communication.
 
 The model is cut into the schedule's model stages (the partition), each a
-:class:`~nobubble.update.TrainedStage` as a pipeline process holds it: its weight versions, its
-optimizer with the run's delay correction, and its update in the one order both backends share.
+:class:`~nobubble.stage_update.TrainedStage` as a pipeline process holds it: its weight versions,
+its optimizer with the run's delay correction, and its update in the one order both backends
+share.
 At step t the forward and backward of every microbatch run with stage s at the weights its step
 runs at (version max(t - d, 0) for delay d, or the prediction ŵ; through
 ``torch.func.functional_call``, so nothing is swapped in place under autograd), then every stage
@@ -13,7 +14,7 @@ Tied embeddings over several stages compute what the pipeline computes: the firs
 stage each hold a copy of the tied weight (``embed.weight``), the embedding reads the first's and
 the head the last's (as separate leaves, so each accumulates its own gradient over the
 microbatches, as on the two stages), both copies receive the sum of the two gradients and are
-clipped by its norm alone (:mod:`nobubble.update`), and each stage's optimizer steps its copy
+clipped by its norm alone (:mod:`nobubble.stage_update`), and each stage's optimizer steps its copy
 from the same bytes, so the copies stay bitwise equal. With one stage the weight is simply shared.
 
 With ``dp`` > 1 the one process computes what the replicas compute together: each microbatch is
@@ -43,6 +44,7 @@ from nobubble.model.presets import ModelConfig
 from nobubble.profiling import OFF, label, labelled
 from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import apply_stage_options, autocast
+from nobubble.stage_update import TrainedStage, combined_norm
 from nobubble.staleness import (
     APPLIED_COSINE,
     APPLIED_ERROR,
@@ -53,7 +55,6 @@ from nobubble.staleness import (
     cosine,
     weight_drift,
 )
-from nobubble.update import TrainedStage, combined_norm
 from nobubble.versions import Weights, gradient_version
 
 MicroLoss = Callable[[Weights, torch.Tensor], torch.Tensor]
@@ -74,7 +75,7 @@ class DelayedTrainer:
     ``tied = (name, use)``: the first and the last stage both hold a parameter ``name``, copies
     of one tied weight (both stages must have the same delay: the configuration checks it).
     ``micro_loss`` finds the last stage's copy under ``use``. Both copies get the sum of their
-    gradients and each its stage's update (see :mod:`nobubble.update`).
+    gradients and each its stage's update (see :mod:`nobubble.stage_update`).
     """
 
     def __init__(
@@ -212,7 +213,7 @@ class DelayedTrainer:
         self, t: int, fresh: list[Gradients], corrected: bool = True
     ) -> list[Weights]:
         """Each stage's update at step ``t`` from its ``fresh`` gradient, with its correction or
-        without (:meth:`~nobubble.update.TrainedStage.update_from`), a tied weight's summed as
+        without (:meth:`~nobubble.stage_update.TrainedStage.update_from`), a tied weight's summed as
         :meth:`_sum_tied_gradients` sums it."""
         if self.tied:
             name = self.tied[0]

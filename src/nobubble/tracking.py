@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nobubble.config import ConfigError, NobubbleWarning, TrainConfig, chosen_loggers
-from nobubble.files import write_json_atomic
 from nobubble.interrupt import Interrupted
+from nobubble.json_files import write_json_atomic
 from nobubble.stage_report import IDENTIFIERS, read_stage_report
 from nobubble.staleness import PER_STAGE
 

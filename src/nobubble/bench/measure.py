@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import TrainConfig
-from nobubble.files import DamagedFile
+from nobubble.json_files import DamagedFile
 from nobubble.runfolder.reading import read_metrics, read_summary, saved_train_config
 from nobubble.schedules import generate, lower, simulate
 from nobubble.schedules.timing import SimResult, split_rank_times
@@ -41,7 +41,8 @@ class StageResult:
     # leaving out the run's last all-reduce (waited for at the end, with no compute left to hide
     # behind; where the run folder does not say which one was last, over every step). With
     # sharded state (zero > 0) the "all-reduce" is the update's chain of collectives (reduce,
-    # norm, all-gather: nobubble.pipeline.shards), its bytes the bucket and this rank's part:
+    # norm, all-gather: nobubble.pipeline.sharded_update), its bytes the bucket and this rank's
+    # part:
     allreduce_s: float | None = None  # start of the gradient all-reduce to its completion
     allreduce_wait_s: float | None = None  # the part of it the stage spent blocked
     hidden_fraction: float | None = None  # 1 - summed wait / summed all-reduce time

@@ -67,7 +67,7 @@ from nobubble.runfolder.new import create_run
 from nobubble.schedules.registry import schedule_spec
 from nobubble.stage_options import autocast
 from nobubble.stage_report import StageReport
-from nobubble.update import build_stage_optimizer, clip_stage, optimizer_step
+from nobubble.stage_update import build_stage_optimizer, clip_stage, optimizer_step
 
 TORCH_SCHEDULES = {
     "gpipe": ScheduleGPipe,

@@ -49,7 +49,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as _save_file
 
 from nobubble.checkpoint.named_state import NamedState, decode, encode, from_state_dict
-from nobubble.files import DamagedFile, read_json_object, write_json_atomic
+from nobubble.json_files import DamagedFile, read_json_object, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = 2  # the checkpoint format this version writes (and the newest it reads)

@@ -41,7 +41,8 @@ def check_schema(cfg: TrainConfig) -> None:
 def zero_problem(parallel: ParallelSettings) -> str | None:
     """Why ``parallel.zero`` has nothing to shard (one replica), or None. The planner and the
     bench, asked to predict or measure sharded state, refuse it; a training run warns that it
-    does not read ``zero`` at dp=1 (:data:`nobubble.unused.READ_WHEN`) and trains as with 0."""
+    does not read ``zero`` at dp=1 (:data:`nobubble.settings_read.READ_WHEN`) and trains as with
+    0."""
     if parallel.zero and parallel.dp == 1:
         return (
             f"zero={parallel.zero} shares the optimizer state out over the data-parallel "

@@ -40,8 +40,8 @@ class StepWeights:
     with ``predict`` the prediction ŵ (module docstring).
 
     ``history``: how many steps back the stage keeps true versions, what
-    :func:`nobubble.update.prepare_step` keeps and a checkpoint holds (its delay, one more when
-    predicting).
+    :func:`nobubble.stage_update.prepare_step` keeps and a checkpoint holds (its delay, one more
+    when predicting).
     """
 
     def __init__(self, store: VersionStore, delay: int, predict: bool = False) -> None:

@@ -70,8 +70,8 @@ from nobubble.faults.summary import (
     markdown,
     summarize,
 )
-from nobubble.files import DamagedFile, write_json_atomic
 from nobubble.interrupt import Interrupted
+from nobubble.json_files import DamagedFile, write_json_atomic
 from nobubble.provenance import machine, provenance
 from nobubble.runfolder.folder import FINISHED, holds_files
 from nobubble.runfolder.reading import read_metrics, read_summary, sealed_checkpoints, stop_of

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from nobubble.checkpoint.files import CheckpointError, checkpoint_step, newest_weights
-from nobubble.files import DamagedFile
+from nobubble.json_files import DamagedFile
 from nobubble.runfolder.folder import FINISHED
 from nobubble.runfolder.reading import read_metrics, read_summary, sealed_checkpoints, stop_of
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nobubble.files import write_json_atomic
+from nobubble.json_files import write_json_atomic
 from nobubble.pipeline.runtime import _Segment
 from nobubble.schedules import Action
 

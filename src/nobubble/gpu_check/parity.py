@@ -12,9 +12,9 @@ import torch
 
 from nobubble.checkpoint.files import newest_weights
 from nobubble.destinations import check_output_folder
-from nobubble.files import write_json_atomic
 from nobubble.gpu_check.plan import planned_run
 from nobubble.gpu_check.runs import CLOSE, REPEATS
+from nobubble.json_files import write_json_atomic
 from nobubble.runfolder.folder import FINISHED
 from nobubble.runfolder.reading import checkpoints, read_metrics, read_summary, stop_of
 

@@ -27,7 +27,6 @@ import dataclasses
 from pathlib import Path
 
 from nobubble.config import ConfigError
-from nobubble.files import damaged, read_json_object, write_json_atomic
 from nobubble.gpu_check.runs import (
     AUDIT,
     BITWISE,
@@ -40,6 +39,7 @@ from nobubble.gpu_check.runs import (
     Run,
     Skipped,
 )
+from nobubble.json_files import damaged, read_json_object, write_json_atomic
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, schedule_spec
 
 SYNC = "sync"  # the registry's synchronous semantics, which every flushing schedule computes

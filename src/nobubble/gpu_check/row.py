@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from nobubble.children import POLL_S, identity, shell_status, stopping
-from nobubble.files import write_json_atomic
 from nobubble.gpu_check.runs import AUDIT, Run
+from nobubble.json_files import write_json_atomic
 
 STACKS_WAIT_S = 10.0  # how long a process gets to write its stacks and exit
 

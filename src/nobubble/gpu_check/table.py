@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.destinations import check_output_file
-from nobubble.files import write_json_atomic
 from nobubble.gpu_check.audit import audit_verdict
 from nobubble.gpu_check.parity import finished, verdict
 from nobubble.gpu_check.plan import REPEAT, planned
 from nobubble.gpu_check.runs import AUDIT, MODEL, REFERENCE, SMOKE, THROUGHPUT, TRAINING, Run
+from nobubble.json_files import write_json_atomic
 from nobubble.markdown import markdown_table
 
 # the verdicts that fail the check ("not run": out of time)

@@ -42,8 +42,8 @@ from nobubble.checkpoint.files import (
 )
 from nobubble.config import ConfigError
 from nobubble.data.tokenizer import TOKENIZER_FILE, load_tokenizer
-from nobubble.files import write_json_atomic
 from nobubble.hf.convert import CONFIG, hf_config, hf_name, parameter_shapes
+from nobubble.json_files import write_json_atomic
 from nobubble.model.presets import ModelConfig
 from nobubble.model.resolve import model_config
 from nobubble.runfolder.folder import RunFolder, holds_files

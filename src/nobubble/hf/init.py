@@ -24,7 +24,6 @@ from nobubble.config import ConfigError, TrainConfig
 from nobubble.data.errors import DataError
 from nobubble.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from nobubble.engine import Engine
-from nobubble.files import read_json_object
 from nobubble.hf.convert import (
     CONFIG,
     Mismatch,
@@ -33,6 +32,7 @@ from nobubble.hf.convert import (
     hf_name,
     parameter_shapes,
 )
+from nobubble.json_files import read_json_object
 from nobubble.model.presets import ModelConfig
 
 SINGLE = "model.safetensors"

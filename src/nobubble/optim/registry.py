@@ -169,9 +169,9 @@ _SETTINGS_READ: dict[str, tuple[str, ...]] = {
 # the kinds of parameter whose update needs the whole tensor: a matrix function of it or a norm
 # over it. Every other parameter the optimizer updates element by element (its state has the
 # parameter's shape, or is a scalar), so a block of its rows can be updated on its own, which
-# sharded data parallelism does (zero=1, 2: nobubble.sharding). tests/test_sharding.py holds this
-# against the optimizers: a block's update equals its rows of the whole update, or, for these
-# kinds, does not.
+# sharded data parallelism does (zero=1, 2: nobubble.zero_partition). tests/test_sharding.py
+# holds this against the optimizers: a block's update equals its rows of the whole update, or,
+# for these kinds, does not.
 _UPDATES_WHOLE: dict[str, frozenset[Kind]] = {
     # Newton–Schulz on each hidden matrix; an expert tensor's rows are whole expert matrices,
     # each orthogonalized on its own (ExpertMuon); the rest is AdamW
@@ -190,7 +190,7 @@ def updates_whole(optim: str, name: str, param: torch.Tensor) -> bool:
 
 # The elements of state an optimizer holds for a parameter of a kind and shape (with a momentum
 # setting), scalars left out: what sharded data parallelism balances over the replicas
-# (nobubble.sharding). tests/test_optim_registry.py holds it against the optimizers' states.
+# (nobubble.zero_partition). tests/test_optim_registry.py holds it against the optimizers' states.
 StateCost = Callable[[Kind, tuple[int, ...], float], int]
 
 
@@ -249,7 +249,7 @@ def build_optimizer(
     named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig
 ) -> OptimizerLike:
     """The optimizer ``cfg.optim`` over these parameters (a stage's delay correction wraps it:
-    :func:`nobubble.update.build_stage_optimizer`).
+    :func:`nobubble.stage_update.build_stage_optimizer`).
 
     Any subset (one pipeline stage's parameters) gives the same per-parameter updates as the
     whole model: the parameter groups and every optimizer's math are per parameter.

@@ -2,7 +2,7 @@
 
 A process holds one stage, or several with an interleaved schedule (``chunks``; the layout says
 which). Each held stage keeps what the one-process engine keeps per stage, a
-:class:`nobubble.update.TrainedStage` (weight versions, where its steps run, its optimizer and
+:class:`nobubble.stage_update.TrainedStage` (weight versions, where its steps run, its optimizer and
 delay correction, the order of its update), so both backends compute the same; besides it, its
 module, the split of its backward (zero-bubble) and the all-reduces of its gradient
 (data-parallel replicas; the tied weight's two copies).
@@ -20,12 +20,12 @@ from nobubble.model.moe import pack_routing, unpack_routing
 from nobubble.model.partition import TIED_WEIGHT, StageSpec, holds_tied_copy
 from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.replicas import ReplicaReduction
-from nobubble.pipeline.shards import ShardedUpdate, StageGroups
+from nobubble.pipeline.sharded_update import ShardedUpdate, StageGroups
 from nobubble.pipeline.split_backward import SplitBackward
 from nobubble.schedules.registry import schedule_spec
-from nobubble.sharding import ShardPlan
 from nobubble.stage_options import apply_stage_options
-from nobubble.update import TrainedStage
+from nobubble.stage_update import TrainedStage
+from nobubble.zero_partition import ShardPlan
 
 
 class HeldStage:
@@ -34,7 +34,7 @@ class HeldStage:
     stages' processes (None unless the head is tied to the embedding over several stages);
     ``shard_groups``: with sharded state (``zero`` > 0), the groups of this model stage's
     replicas that its update's chain and its checkpoints run over
-    (:mod:`nobubble.pipeline.shards`)."""
+    (:mod:`nobubble.pipeline.sharded_update`)."""
 
     def __init__(
         self,
@@ -116,7 +116,7 @@ class HeldStage:
     ) -> tuple[float, bool, float]:
         """The rest of the STEP action, once the gradient is complete (and averaged over the
         replicas, with the ``sums`` of :meth:`step_sums`): the stage's update
-        (:meth:`nobubble.update.TrainedStage.apply`) with the step's routing; ``norms``: the
+        (:meth:`nobubble.stage_update.TrainedStage.apply`) with the step's routing; ``norms``: the
         gradient's norms where this replica holds a part of it (sharded state). Returns
         (gradient norm, whether the update went ahead in full, learning rate)."""
         routing = unpack_routing(sums[1:], self.moe_blocks, self.mc)

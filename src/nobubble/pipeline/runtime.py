@@ -59,7 +59,7 @@ from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.links import Links, resolve_links
 from nobubble.pipeline.plan import RECV_AHEAD, Plan
 from nobubble.pipeline.replicas import peer_failures, replica_rows
-from nobubble.pipeline.shards import stage_groups
+from nobubble.pipeline.sharded_update import stage_groups
 from nobubble.pipeline.stats import StepStatistics
 from nobubble.pipeline.timing import Tally, clock_for
 from nobubble.pipeline.transport import active
@@ -273,7 +273,7 @@ class PipelineEngine:
         (no compute is left to hide it behind; the benchmark reports it apart). With sharded
         state (``zero`` > 0) the chain of the update replaces the all-reduce: ``zero_comm_s``,
         ``zero_comm_wait_s``, ``zero_comm_mb`` and the last ones alike, and ``zero_owned`` names
-        the parameters this replica owns whole (:class:`nobubble.sharding.ShardPlan`).
+        the parameters this replica owns whole (:class:`nobubble.zero_partition.ShardPlan`).
 
         Every time is measured by the device's clock (:mod:`nobubble.pipeline.timing`): the wall
         clock on the CPU; on CUDA events on the compute stream, so idle is the time the stream

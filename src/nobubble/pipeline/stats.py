@@ -21,7 +21,7 @@ from nobubble.model.partition import StageSpec
 from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.channels import Channel
 from nobubble.pipeline.comm import HOST, Messenger
-from nobubble.update import combined_norm
+from nobubble.stage_update import combined_norm
 
 
 class StepStatistics:

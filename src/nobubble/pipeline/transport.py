@@ -3,12 +3,13 @@
 Every point-to-point message of :class:`~nobubble.pipeline.comm.Messenger` (activations,
 gradients, statistics, control, evaluation), every all-reduce of
 :mod:`~nobubble.pipeline.replicas` (the data-parallel and the tied weight's, the evaluation
-totals) and every collective of a sharded update's chain (:mod:`~nobubble.pipeline.shards`) is
-posted through the process's transport, :func:`active`. An ordinary run has
-torch.distributed as it is (:class:`Transport`); ``emulate_nccl=true`` installs gloo run in
-NCCL's manner (:class:`nobubble.pipeline.emulated_nccl.EmulatedNccl`). The transport is chosen
-once, when the process group opens (:func:`nobubble.pipeline.process_group.open_process_group`),
-and is as process-wide as torch.distributed's default group.
+totals) and every collective of a sharded update's chain
+(:mod:`~nobubble.pipeline.sharded_update`) is posted through the process's transport,
+:func:`active`. An ordinary run has torch.distributed as it is (:class:`Transport`);
+``emulate_nccl=true`` installs gloo run in NCCL's manner
+(:class:`nobubble.pipeline.emulated_nccl.EmulatedNccl`). The transport is chosen once, when the
+process group opens (:func:`nobubble.pipeline.process_group.open_process_group`), and is as
+process-wide as torch.distributed's default group.
 """
 
 from __future__ import annotations

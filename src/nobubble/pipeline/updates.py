@@ -4,7 +4,7 @@ replicas; the tied weight's two copies), deferred until an action needs the vers
 At its STEP a stage starts the all-reduces in the background; the rest of the update (clip,
 optimizer step, statistics) waits until a compute action needs the new version or the stage's
 next STEP comes, so under 2bw the all-reduce runs behind the next step's compute. With sharded
-state (``zero`` > 0) the update is a chain of collectives (:mod:`nobubble.pipeline.shards`),
+state (``zero`` > 0) the update is a chain of collectives (:mod:`nobubble.pipeline.sharded_update`),
 moved on between actions as its collectives complete (:meth:`Updates.advance`), and finished
 alike where its version is needed.
 
@@ -24,10 +24,10 @@ import torch
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.host import HostCopy
 from nobubble.pipeline.replicas import PendingReduction
-from nobubble.pipeline.shards import ShardedStep
+from nobubble.pipeline.sharded_update import ShardedStep
 from nobubble.profiling import label
 from nobubble.schedules import Action, ActionKind
-from nobubble.update import TrainedStage
+from nobubble.stage_update import TrainedStage
 
 # an update's outcome: (gradient norm, whether it went ahead, learning rate)
 Outcome = tuple[float, bool, float]
@@ -51,7 +51,7 @@ class _PendingUpdate:
 
 def gradient_norms(trained: TrainedStage) -> torch.Tensor:
     """The norms the clip of ``trained``'s complete gradient takes
-    (:func:`nobubble.update.clip_gradients`), on the device, float64: of the gradient but the
+    (:func:`nobubble.stage_update.clip_gradients`), on the device, float64: of the gradient but the
     tied copy's, then (where the stage holds one) of the tied copy's."""
     params = trained.params
     groups = [[p.grad for n, p in params.items() if n != trained.tied and p.grad is not None]]

@@ -32,8 +32,8 @@ from nobubble.runfolder.reading import (
 )
 from nobubble.runfolder.scores import Column, Score, latest_scores
 from nobubble.schedules.registry import SCHEDULES
+from nobubble.settings_read import never_read
 from nobubble.staleness import DRIFT, STEP_MEASURES
-from nobubble.unused import never_read
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
 # only in these are the same experiment (a sweep may rerun with another --jobs, i.e. threads).
@@ -67,7 +67,7 @@ def result_settings(config: dict[str, Any]) -> dict[str, Any]:
     """Every setting that can change a run's result; keys missing from an older config.json mean
     what they meant when it was saved (:func:`nobubble.config.from_saved`), so adding a config
     key or changing a default does not make old runs look different; a setting the run never
-    reads (:func:`nobubble.unused.never_read`: ``zero`` at dp=1) is as if left out, its
+    reads (:func:`nobubble.settings_read.never_read`: ``zero`` at dp=1) is as if left out, its
     default; and ``chunks`` left to the schedule (``null``, as earlier versions saved it) is the
     schedule's."""
     saved = _schedule_chunks(from_saved(config))

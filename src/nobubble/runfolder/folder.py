@@ -18,7 +18,7 @@ from typing import Any
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.corrections.registry import chosen
-from nobubble.files import write_json_atomic
+from nobubble.json_files import write_json_atomic
 
 # Why a run stopped, as summary.json records it under "stopped".
 FINISHED = "finished"  # it trained all its steps

@@ -4,9 +4,9 @@ export, the evaluation, the fault campaign, the GPU check).
 
 Any of its files may have been damaged since the run wrote it (cut short by a full disk or a hard
 kill, overwritten, replaced by a folder, deleted): a damaged file is one line naming it and the
-fix (:class:`~nobubble.files.DamagedFile`), never a traceback; a damaged line of metrics.jsonl is
-skipped and counted. A configuration saved by an earlier version reads as it was meant then
-(:func:`nobubble.config.from_saved`).
+fix (:class:`~nobubble.json_files.DamagedFile`), never a traceback; a damaged line of
+metrics.jsonl is skipped and counted. A configuration saved by an earlier version reads as it
+was meant then (:func:`nobubble.config.from_saved`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nobubble.checkpoint.files import (
 from nobubble.config import ConfigError, NobubbleWarning, TrainConfig, from_saved
 from nobubble.configure import build_config
 from nobubble.data.tokenizer import TOKENIZER_FILE
-from nobubble.files import DamagedFile, read_json_lines, read_json_object
+from nobubble.json_files import DamagedFile, read_json_lines, read_json_object
 from nobubble.runfolder.folder import FINISHED, STOPS, RunFolder
 
 # Where a run's settings are kept besides config.json (written by run/checkpoints.py).

@@ -28,7 +28,7 @@ from nobubble.config.fields import FREE
 from nobubble.config.fields import LAYOUT as LAYOUT_CHANGE
 from nobubble.configure import build_config
 from nobubble.destinations import check_output_folder
-from nobubble.files import DamagedFile
+from nobubble.json_files import DamagedFile
 from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
 from nobubble.model.resolve import model_config

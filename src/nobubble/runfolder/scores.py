@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import ConfigError
-from nobubble.files import damaged, read_json_object
+from nobubble.json_files import damaged, read_json_object
 from nobubble.runfolder.folder import RunFolder
 
 FORMAT = 1

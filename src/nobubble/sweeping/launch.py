@@ -25,7 +25,7 @@ import tomli_w
 
 from nobubble.checkpoint.files import checkpoint_step
 from nobubble.children import Children, stopping
-from nobubble.files import DamagedFile
+from nobubble.json_files import DamagedFile
 from nobubble.reporting.runs import final_loss
 from nobubble.runfolder.folder import FINISHED, holds_files
 from nobubble.runfolder.lock import FolderBusy, hold_folder

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import TrainConfig
-from nobubble.files import DamagedFile
+from nobubble.json_files import DamagedFile
 from nobubble.model.partition import split_by_flops
 from nobubble.reporting.runs import final_loss, result_settings
 from nobubble.runfolder.folder import FINISHED, NON_FINITE

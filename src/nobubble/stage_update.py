@@ -47,8 +47,8 @@ from nobubble.optim.clipping import clip_grad_norm
 from nobubble.optim.composite import OptimizerLike
 from nobubble.optim.lr_schedule import lr_at, set_lr
 from nobubble.optim.registry import build_optimizer
-from nobubble.sharding import ShardPlan
 from nobubble.versions import VersionStore, Weights, gradient_version
+from nobubble.zero_partition import ShardPlan
 
 
 def build_stage_optimizer(
@@ -68,7 +68,7 @@ class TrainedStage:
     ``reports_tied``: whether its reported norm includes that weight's (the first stage's does);
     ``shard``: with sharded data parallelism (``zero`` > 0), the part of the parameters this
     replica updates, its optimizer and correction holding state for that part alone (the other
-    replicas' parts of the new version come from them: :mod:`nobubble.pipeline.shards`).
+    replicas' parts of the new version come from them: :mod:`nobubble.pipeline.sharded_update`).
     """
 
     def __init__(

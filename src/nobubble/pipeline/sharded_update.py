@@ -3,7 +3,7 @@ stage's gradient into its next version on every replica, behind compute where th
 leaves room.
 
 Each replica of a stage updates only its part of the stage's parameters
-(:class:`nobubble.sharding.ShardPlan`) and holds optimizer and correction state for that part
+(:class:`nobubble.zero_partition.ShardPlan`) and holds optimizer and correction state for that part
 alone. At a STEP the chain starts:
 
 1. **reduce**: ``zero=1`` all-reduces the stage's gradient (one flat bucket, laid out replica by
@@ -17,7 +17,7 @@ alone. At a STEP the chain starts:
    computes them (:class:`~nobubble.pipeline.host.HostCopy`): the chain moves on once the copy
    has arrived, so moving it on between two actions never waits for the device.
 4. **update**: this replica's parts are clipped by that norm and stepped
-   (:meth:`nobubble.update.TrainedStage.apply`, the one order of a stage's update); then every
+   (:meth:`nobubble.stage_update.TrainedStage.apply`, the one order of a stage's update); then every
    replica's new parts are all-gathered into the newest version.
 
 Every collective starts once the one before it has completed, which the runtime notices between
@@ -72,8 +72,8 @@ from nobubble.pipeline.replicas import (
 from nobubble.pipeline.timing import Completion, EventCompletion, Mark, Span, Tally, clock_for
 from nobubble.pipeline.transport import Launch, Work, active
 from nobubble.profiling import label
-from nobubble.sharding import ShardPlan, state_to
-from nobubble.update import TrainedStage
+from nobubble.stage_update import TrainedStage
+from nobubble.zero_partition import ShardPlan, state_to
 
 # (the step's figures averaged over the replicas, the gradient's norms) -> the stage's update
 ApplyStep = Callable[[torch.Tensor, tuple[float, float | None]], None]
