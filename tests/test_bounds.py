@@ -25,7 +25,7 @@ from nobubble.data.errors import DataError
 from nobubble.data.sources import HFDataset
 from nobubble.data.tokenizer import ByteTokenizer
 from nobubble.layout import ParallelLayout
-from nobubble.pipeline.plan import RECV_AHEAD, Plan, segment_actions
+from nobubble.pipeline.plan import RECV_AHEAD, ActionWindow, segment_actions
 from nobubble.run.loop import Pause, pauses
 from nobubble.schedules import (
     SCHEDULE_NAMES,
@@ -108,7 +108,7 @@ def test_a_process_stopped_at_a_step_runs_the_shorter_segment(schedule):
     cfg = config(schedule, 3, 6)
     start, stop = 2, 8
     for pp_rank, t in itertools.product(range(cfg.stages), range(start + 1, stop)):
-        plan, ran = Plan(cfg, layout(cfg, pp_rank), start, stop), []
+        plan, ran = ActionWindow(cfg, layout(cfg, pp_rank), start, stop), []
         while (action := plan.peek()) is not None:
             plan.ahead(RECV_AHEAD)
             if action.step == t:

@@ -11,12 +11,12 @@ import torch
 from nobubble.cli import main
 from nobubble.gpu_check.parity import Outcome, compare, parity, verdict
 from nobubble.gpu_check.plan import plan, skipped
-from nobubble.gpu_check.runs import BITWISE, CLOSE, EMULATED, REPEATS, TRAINING, Run
+from nobubble.gpu_check.runs import BITWISE, CLOSE, EMULATED, REPEATS, TRAINING, CheckRun
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, schedule_spec
 from tests.pipeline_helpers import EXTENDED, nobubble
 
 
-def by_name(gpus: int) -> dict[str, Run]:
+def by_name(gpus: int) -> dict[str, CheckRun]:
     return {run.name: run for run in plan(gpus)}
 
 

@@ -15,12 +15,12 @@ from nobubble.cli import main
 from nobubble.gpu_check.audit import AUDIT_STEP, audit_verdict, audited
 from nobubble.gpu_check.plan import plan, row, skipped, write_plan
 from nobubble.gpu_check.row import command, row_environment
-from nobubble.gpu_check.runs import AUDIT, BITWISE, CLOSE, SMOKE, THROUGHPUT, TIMEOUTS, Run
+from nobubble.gpu_check.runs import AUDIT, BITWISE, CLOSE, SMOKE, THROUGHPUT, TIMEOUTS, CheckRun
 from nobubble.schedules import Action, ActionKind
 from tests.pipeline_helpers import env
 
 
-def by_name(gpus: int) -> dict[str, Run]:
+def by_name(gpus: int) -> dict[str, CheckRun]:
     return {run.name: run for run in plan(gpus)}
 
 

@@ -16,7 +16,7 @@ from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
 from nobubble.planning import target as target_module
 from nobubble.planning.costs import non_embedding_parameters
-from nobubble.planning.estimate import Estimate, Plan
+from nobubble.planning.estimate import ClusterPlan, Estimate
 from nobubble.planning.hardware import DEVICES, LINKS
 from nobubble.planning.shapes import PLANNING_SHAPES
 from nobubble.planning.target import time_to_target
@@ -29,8 +29,8 @@ TOKENS = 20 * PARAMS  # the default budget: 5,918,720 tokens
 STEPS = 11_560  # of 8 microbatches x 2 sequences x 32 tokens = 512 tokens
 
 
-def plan() -> Plan:
-    return Plan(
+def plan() -> ClusterPlan:
+    return ClusterPlan(
         model=SHAPE, parallel=ParallelSettings(stages=4, microbatches=8), microbatch_size=2,
         seq_len=32, device=DEVICES["h100"], mfu=0.5, p2p=LINKS["ib-ndr"],
         allreduce=LINKS["ib-ndr"],

@@ -14,7 +14,7 @@ from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
 from nobubble.planning import estimate as estimate_module
 from nobubble.planning.costs import stage_costs
-from nobubble.planning.estimate import Plan, estimate, shape_problem
+from nobubble.planning.estimate import ClusterPlan, estimate, shape_problem
 from nobubble.planning.grid import grid
 from nobubble.planning.hardware import DEVICES, LINKS
 from nobubble.planning.shapes import LLAMA3_FAMILY, PLANNING_SHAPES
@@ -45,10 +45,10 @@ def test_stage_costs_by_hand():
 PARALLEL = {f.name for f in dataclasses.fields(ParallelSettings)}
 
 
-def plan(**changes) -> Plan:
+def plan(**changes) -> ClusterPlan:
     """The test's plan with ``changes``: the parallel section's (stages, dp, ...) and the plan's."""
     shape = {key: changes.pop(key) for key in PARALLEL & changes.keys()}
-    base = Plan(
+    base = ClusterPlan(
         model=dataclasses.replace(SHAPE, n_layers=8),
         parallel=ParallelSettings(**{"stages": 4, "microbatches": 8, **shape}), microbatch_size=2,
         seq_len=32, device=DEVICES["h100"], mfu=0.5,
@@ -58,7 +58,7 @@ def plan(**changes) -> Plan:
     return dataclasses.replace(base, **changes)
 
 
-def stage_seconds(p: Plan, chunks: int = 1) -> list[float]:
+def stage_seconds(p: ClusterPlan, chunks: int = 1) -> list[float]:
     costs = stage_costs(p.model, p.parallel.stages * chunks, p.seq_len, p.microbatch_size)
     return [3 * c.forward_flops / (p.device.peak_tflops * 1e12 * p.mfu) for c in costs]
 
@@ -261,10 +261,10 @@ def test_a_plan_of_sharded_state_without_replicas_is_refused():
         plan(zero=1)
 
 
-def uneven_plan(preset: str, stages: int, gb_per_s: float, microbatches: int) -> Plan:
+def uneven_plan(preset: str, stages: int, gb_per_s: float, microbatches: int) -> ClusterPlan:
     """A planning shape whose stages differ (embedding, head) on a slow link: its steps repeat
     every few microbatches, not every one."""
-    return Plan(
+    return ClusterPlan(
         model=dataclasses.replace(PLANNING_SHAPES[preset], vocab_size=256),
         parallel=ParallelSettings(stages=stages, microbatches=microbatches, dp=2),
         microbatch_size=1, seq_len=512, device=DEVICES["h100"], mfu=0.4,

@@ -18,7 +18,7 @@ from nobubble.config.parallel import ParallelSettings
 from nobubble.corrections_cli import TERMS_RANGE
 from nobubble.data import prepare
 from nobubble.planning import cli as plan_cli
-from nobubble.planning.estimate import Plan, estimate
+from nobubble.planning.estimate import ClusterPlan, estimate
 from nobubble.planning.hardware import DEVICES, LINKS
 from nobubble.planning.shapes import PLANNING_SHAPES
 from nobubble.schedules.registry import PIPELINE_SCHEDULES
@@ -124,7 +124,7 @@ def test_a_grid_of_more_shapes_than_the_limit_is_refused_before_any_is_predicted
 
 def test_one_stage_has_no_bubble_not_a_negative_one(capsys):
     """One stage idles never; the busy times summed in floating point passed the step's."""
-    plan = Plan(
+    plan = ClusterPlan(
         model=PLANNING_SHAPES["llama3-8b"], parallel=ParallelSettings(stages=1, microbatches=16),
         microbatch_size=1, seq_len=4096, device=DEVICES["h100"], mfu=0.4, p2p=LINKS["ib-ndr"],
         allreduce=LINKS["ib-ndr"],

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from nobubble.json_files import write_json_atomic
-from nobubble.pipeline.runtime import _Segment
+from nobubble.pipeline.runtime import ActionRunner
 from nobubble.schedules import Action
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # set_sync_debug_mode("warn")'s words
@@ -55,7 +55,7 @@ def audit_main(folder: Path, train: list[str], command_line: Callable[[Sequence[
     step :data:`AUDIT_STEP` audited (:func:`audited`); what this process found goes into
     ``folder/rank_R.json``."""
     found: list[dict[str, Any]] = []
-    _Segment.execute = audited(_Segment.execute, found, torch.cuda.set_sync_debug_mode)
+    ActionRunner.execute = audited(ActionRunner.execute, found, torch.cuda.set_sync_debug_mode)
     try:
         return command_line(train)
     finally:

@@ -36,7 +36,7 @@ from nobubble.gpu_check.runs import (
     THROUGHPUT,
     TIMEOUTS,
     TRANSPORTS,
-    Run,
+    CheckRun,
     Skipped,
 )
 from nobubble.json_files import damaged, read_json_object, write_json_atomic
@@ -60,10 +60,10 @@ def shape(schedule: str, stages: int) -> tuple[str, ...]:
     return settings + (() if tied else ("tie_embeddings=false",))
 
 
-def reference(name: str) -> Run:
+def reference(name: str) -> CheckRun:
     """The one-process run of semantics ``name`` on two stages."""
     spec = schedule_spec(name)
-    return Run(f"one-process-{name}", shape(spec.same_as or name, 2))
+    return CheckRun(f"one-process-{name}", shape(spec.same_as or name, 2))
 
 
 # a reference for each semantics of the pipeline schedules (sync first)
@@ -94,7 +94,7 @@ def row(
     dp: int = 1,
     extra: tuple[str, ...] = (),
     expect: str = BITWISE,
-) -> Run:
+) -> CheckRun:
     """A pipeline row: on NCCL (a GPU a process), or on one GPU that its processes share over
     gloo (under the NCCL emulator, or not: :data:`~nobubble.gpu_check.runs.TRANSPORTS`)."""
     settings = shape(schedule, stages) + ((f"dp={dp}",) if dp > 1 else ())
@@ -105,7 +105,7 @@ def row(
     compiled = "compile=true" in extra
     name += "-compiled" if compiled else ""
     processes = stages * dp
-    return Run(
+    return CheckRun(
         name,
         settings + how + extra,
         processes,
@@ -118,7 +118,7 @@ def row(
     )
 
 
-def smoke(gpus: int) -> Run:
+def smoke(gpus: int) -> CheckRun:
     """Every GPU a stage of a tiny model for one 1F1B step (one GPU: two processes share it
     under the NCCL emulator)."""
     stages, transport = (min(gpus, 8), "nccl") if gpus >= 2 else (2, "emulated")
@@ -126,12 +126,12 @@ def smoke(gpus: int) -> Run:
     settings = ("schedule=1f1b", f"stages={stages}", f"microbatches={2 * stages}", *how)
     gpus_used = stages if transport == "nccl" else 1
     name = f"smoke-1f1b-p{stages}-{suffix}"
-    return Run(
+    return CheckRun(
         name, settings, stages, gpus_used, None, BITWISE, words, SMOKE, TIMEOUTS[SMOKE], SMOKE_BASE
     )
 
 
-def throughput(gpus: int) -> Run:
+def throughput(gpus: int) -> CheckRun:
     """1F1B on two GPUs over NCCL (one GPU: one process)."""
     if gpus >= 2:
         how, words, _ = TRANSPORTS["nccl"]
@@ -140,7 +140,7 @@ def throughput(gpus: int) -> Run:
     else:
         settings = ("schedule=1f1b", "stages=1", "microbatches=8")
         name, processes, used, words = "throughput-one-process", 0, 1, "one process"
-    return Run(
+    return CheckRun(
         name,
         settings,
         processes,
@@ -152,7 +152,7 @@ def throughput(gpus: int) -> Run:
     )
 
 
-def audit(gpus: int) -> Run:
+def audit(gpus: int) -> CheckRun:
     """1F1B on two stages with the main transport, its processes audited
     (:func:`nobubble.gpu_check.audit.audit_main`)."""
     transport = "nccl" if gpus >= 2 else "emulated"
@@ -162,7 +162,7 @@ def audit(gpus: int) -> Run:
     )
 
 
-def wanted() -> list[tuple[Run, int]]:
+def wanted() -> list[tuple[CheckRun, int]]:
     """The rows that a GPU each on NCCL, and so this many GPUs, makes possible."""
     return [
         (row("1f1b", 4, "nccl"), 4),
@@ -182,7 +182,7 @@ def skipped(gpus: int) -> list[Skipped]:
     ]
 
 
-def plan(gpus: int) -> list[Run]:
+def plan(gpus: int) -> list[CheckRun]:
     """The runs for ``gpus`` GPUs: the smoke test, the references, the rows (the script runs
     them in this order and skips what its time budget no longer allows)."""
     if gpus < 1:
@@ -201,7 +201,7 @@ def plan(gpus: int) -> list[Run]:
 # -- the plan's file ------------------------------------------------------------------------------
 
 
-def write_plan(out: Path, gpus: int, runs: list[Run], left_out: list[Skipped]) -> None:
+def write_plan(out: Path, gpus: int, runs: list[CheckRun], left_out: list[Skipped]) -> None:
     """``out/plan.json``: the runs, and those this machine cannot do."""
     payload = {
         "gpus": gpus,
@@ -211,14 +211,14 @@ def write_plan(out: Path, gpus: int, runs: list[Run], left_out: list[Skipped]) -
     write_json_atomic(out / "plan.json", payload)
 
 
-def planned(out: Path) -> tuple[dict[str, Run], list[Skipped]]:
+def planned(out: Path) -> tuple[dict[str, CheckRun], list[Skipped]]:
     """The plan written into ``out`` (``plan --out``): its runs by name, and what it skipped."""
     path = out / "plan.json"
     fix = f"write it with `nobubble gpu-check plan --gpus N --out {out}`"
     raw = read_json_object(path, fix)
     try:
         runs = [
-            Run(**{**r, "settings": tuple(r["settings"]), "base": tuple(r["base"])})
+            CheckRun(**{**r, "settings": tuple(r["settings"]), "base": tuple(r["base"])})
             for r in raw["runs"]
         ]
         left_out = [Skipped(**r) for r in raw.get("skipped", [])]
@@ -227,7 +227,7 @@ def planned(out: Path) -> tuple[dict[str, Run], list[Skipped]]:
     return {run.name: run for run in runs}, left_out
 
 
-def planned_run(out: Path, name: str) -> Run:
+def planned_run(out: Path, name: str) -> CheckRun:
     """Run ``name`` of ``out``'s plan."""
     runs, _ = planned(out)
     if name not in runs:

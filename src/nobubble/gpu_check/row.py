@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 from nobubble.children import POLL_S, identity, shell_status, stopping
-from nobubble.gpu_check.runs import AUDIT, Run
+from nobubble.gpu_check.runs import AUDIT, CheckRun
 from nobubble.json_files import write_json_atomic
 
 STACKS_WAIT_S = 10.0  # how long a process gets to write its stacks and exit
 
 
-def command(run: Run, out: Path, python: str = sys.executable) -> list[str]:
+def command(run: CheckRun, out: Path, python: str = sys.executable) -> list[str]:
     """How ``run`` is started: ``nobubble train`` (inside ``nobubble gpu-check audit`` for the
     audit), in one process or under torchrun."""
     train = ["train", "--no-progress", "--overwrite", "--out", str(out / "runs" / run.name)]
@@ -34,7 +34,7 @@ def command(run: Run, out: Path, python: str = sys.executable) -> list[str]:
     return [*launcher, *entry, *run.base, *run.settings]
 
 
-def row_environment(run: Run, environ: dict[str, str]) -> dict[str, str]:
+def row_environment(run: CheckRun, environ: dict[str, str]) -> dict[str, str]:
     """``environ`` with the run's GPUs (the first ``run.gpus`` of those visible) and Python's
     fault handler on: SIGABRT then writes every thread's stack before the process dies."""
     visible = environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(run.gpus)))
@@ -42,7 +42,7 @@ def row_environment(run: Run, environ: dict[str, str]) -> dict[str, str]:
     return {**environ, "CUDA_VISIBLE_DEVICES": first, "PYTHONFAULTHANDLER": "1"}
 
 
-def run_row(out: Path, run: Run) -> int:
+def run_row(out: Path, run: CheckRun) -> int:
     """Run ``run`` (its output: this process's); past its timeout, dump the stacks of its
     processes (:func:`dump_stacks`), record it in ``out/timeouts/NAME.json``, stop what is left
     and return 124. A stop signal to this process stops the run as :mod:`nobubble.children`

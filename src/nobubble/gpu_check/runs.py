@@ -1,4 +1,4 @@
-"""What a run of the GPU check is (:class:`Run`), the settings every run takes, how a row's
+"""What a run of the GPU check is (:class:`CheckRun`), the settings every run takes, how a row's
 processes talk, what a row is expected to be next to its reference, and each run's timeout.
 
 Every run trains SmolLM2-360M's shape (preset ``smollm2-360m``, tied embeddings) for a few steps
@@ -40,7 +40,7 @@ TIMEOUTS[AUDIT] = TIMEOUTS["row"]
 
 
 @dataclass(frozen=True)
-class Run:
+class CheckRun:
     """One run of the check: ``settings`` come after ``base`` (:data:`MODEL` and
     :data:`TRAINING` unless said); ``processes`` is torchrun's ``--nproc-per-node`` (0: one
     process, no torchrun) on ``gpus`` GPUs; ``reference`` names the one-process run it is

@@ -12,7 +12,7 @@ from nobubble.destinations import check_output_file
 from nobubble.gpu_check.audit import audit_verdict
 from nobubble.gpu_check.parity import finished, verdict
 from nobubble.gpu_check.plan import REPEAT, planned
-from nobubble.gpu_check.runs import AUDIT, MODEL, REFERENCE, SMOKE, THROUGHPUT, TRAINING, Run
+from nobubble.gpu_check.runs import AUDIT, MODEL, REFERENCE, SMOKE, THROUGHPUT, TRAINING, CheckRun
 from nobubble.json_files import write_json_atomic
 from nobubble.markdown import markdown_table
 
@@ -73,7 +73,7 @@ def table_rows(out: Path) -> list[dict[str, Any]]:
 
 
 def status(
-    out: Path, run: Run, summary: dict[str, Any] | None, gaps: dict | None, noise: float | None
+    out: Path, run: CheckRun, summary: dict[str, Any] | None, gaps: dict | None, noise: float | None
 ) -> str:
     """What became of ``run``: not run (the script's time ran out first), timed out (its
     stacks are in its log), its audit's verdict, its parity, or what it is for

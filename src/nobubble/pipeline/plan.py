@@ -69,7 +69,7 @@ def segment_actions(
         yield placed
 
 
-class Plan:
+class ActionWindow:
     """A segment's actions, steps [``start``, ``stop``), read a few ahead of the one running (to
     post receives early); ``stop`` moves earlier when the segment is stopped."""
 

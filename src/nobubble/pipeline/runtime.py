@@ -10,11 +10,11 @@ version and, when microbatches in flight still need it, first copies it (two ver
 With weight prediction every F and B of a step runs at its prediction ŵ instead, formed at the
 step's first F from the versions held then (:mod:`nobubble.corrections.predict`).
 
-This module runs the actions: each kind has its handler (:data:`_Segment.HANDLERS`). The rest has
-a module each: what a process runs and when (:mod:`~nobubble.pipeline.plan`), whether a step runs
-at all (:mod:`~nobubble.pipeline.control`: the leader's go-ahead, the stop votes), a STEP's update
-at once or behind its all-reduces (:mod:`~nobubble.pipeline.updates`), the statistics of a step
-(:mod:`~nobubble.pipeline.stats`), the evaluation (:mod:`~nobubble.pipeline.evaluation`), and
+This module runs the actions: each kind has its handler (:data:`ActionRunner.HANDLERS`). The rest
+has a module each: what a process runs and when (:mod:`~nobubble.pipeline.plan`), whether a step
+runs at all (:mod:`~nobubble.pipeline.control`: the leader's go-ahead, the stop votes), a STEP's
+update at once or behind its all-reduces (:mod:`~nobubble.pipeline.updates`), the statistics of a
+step (:mod:`~nobubble.pipeline.stats`), the evaluation (:mod:`~nobubble.pipeline.evaluation`), and
 the picture of the schedule that a failure shows (:mod:`~nobubble.pipeline.failure`).
 
 With data parallelism the replicas of a stage average their gradient at every STEP
@@ -57,7 +57,7 @@ from nobubble.pipeline.evaluation import PipelinedEvaluation
 from nobubble.pipeline.failure import add_schedule, schedule_around
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.links import Links, resolve_links
-from nobubble.pipeline.plan import RECV_AHEAD, Plan
+from nobubble.pipeline.plan import RECV_AHEAD, ActionWindow
 from nobubble.pipeline.replicas import peer_failures, replica_rows
 from nobubble.pipeline.sharded_update import stage_groups
 from nobubble.pipeline.stats import StepStatistics
@@ -180,8 +180,8 @@ class PipelineEngine:
         in the schedule this process was (:mod:`nobubble.pipeline.failure`); ``on_step``'s own
         errors pass as they are.
         """
-        plan = Plan(self.cfg, self.layout, self.step, stop)
-        run = _Segment(self, next_batch, on_step)
+        plan = ActionWindow(self.cfg, self.layout, self.step, stop)
+        runner = ActionRunner(self, next_batch, on_step)
         if self.device.type == "cuda":  # this segment's peak: no evaluation's, no checkpoint's
             torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()
@@ -189,45 +189,49 @@ class PipelineEngine:
         try:
             with self.messenger.waited.copied_to(self.train_idle):
                 while (at := plan.peek()) is not None:
-                    self._run(run, plan, at, should_stop)
-                run.updates.finish_all()
+                    self._run(runner, plan, at, should_stop)
+                runner.updates.finish_all()
                 self.control.count_remaining_votes()
                 self.messenger.drain()
         except Exception as error:
-            if error is not run.callers_error:
-                self._show_schedule(error, plan, at or run.last)
+            if error is not runner.callers_error:
+                self._show_schedule(error, plan, at or runner.last)
             raise
         self.settle_times(wait=True)  # on CUDA: the segment's work done before its clock stops
         self.train_wall_s += time.perf_counter() - started
         self.train_peak_mb = max(self.train_peak_mb, peak_memory_mb(self.device))
 
     def _run(
-        self, run: _Segment, plan: Plan, action: Action, should_stop: Callable[[], bool]
+        self,
+        runner: ActionRunner,
+        plan: ActionWindow,
+        action: Action,
+        should_stop: Callable[[], bool],
     ) -> None:
         """Run ``action``, the next of ``plan``: first, at a step's first action, learn whether
         the step runs (if not, cut the plan there)."""
-        if action.step > run.cleared:  # this stage's first action of the step
+        if action.step > runner.cleared:  # this stage's first action of the step
             self.settle_times(wait=False)
             self.profiler.before_step(action.step)
             if not self.control.clear(action.step, should_stop):
                 plan.stop_at(action.step)
                 return
-            run.cleared = action.step
-        run.updates.advance()
-        run.updates.finish_before(action)
-        run.post_receives(plan.ahead(RECV_AHEAD))
+            runner.cleared = action.step
+        runner.updates.advance()
+        runner.updates.finish_before(action)
+        runner.post_receives(plan.ahead(RECV_AHEAD))
         took = self.action_times.setdefault((action.stage, action.kind), Tally())
         began = self.clock.mark()
         with ExitStack() as blocked:
             for waits in self.waits():  # blocked time is not the action's
                 blocked.enter_context(waits.copied_to(took, -1.0))
             with action_label(action):
-                run.execute(action)
+                runner.execute(action)
         took.add(self.clock.span(began))
-        run.last = action
+        runner.last = action
         plan.pop()
 
-    def _show_schedule(self, error: Exception, plan: Plan, action: Action | None) -> None:
+    def _show_schedule(self, error: Exception, plan: ActionWindow, action: Action | None) -> None:
         """Add to ``error`` the picture of the schedule around ``action`` (none before the
         first action)."""
         if action is None:
@@ -414,9 +418,10 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-class _Segment:
-    """The mutable state of one run of actions: stashes, pending receives, batches, losses, the
-    updates in flight; and the handler of each kind of action (:data:`HANDLERS`)."""
+class ActionRunner:
+    """Executes a segment's actions on ``engine``'s held stages, one handler for each kind of
+    action (:data:`HANDLERS`), and holds their state: stashes, pending receives, batches,
+    losses, the updates in flight."""
 
     def __init__(
         self,
@@ -424,7 +429,7 @@ class _Segment:
         next_batch: Callable[[], torch.Tensor] | None,
         on_step: Callable[[StepStats], None],
     ) -> None:
-        self.e = engine
+        self.engine = engine
         self.next_batch = next_batch
         self.on_step = on_step
         self.callers_error: BaseException | None = None  # what on_step raised, if anything
@@ -446,48 +451,48 @@ class _Segment:
                 break
             if action.kind in RECV_CHANNELS and key not in self.recvs:
                 what = "activation" if action.kind is ActionKind.RECV_ACT else "gradient"
-                self.recvs[key] = self.e.messenger.post_recv(
-                    self.e.hidden_shape,
+                self.recvs[key] = self.engine.messenger.post_recv(
+                    self.engine.hidden_shape,
                     torch.float32,
-                    self.e.device,
+                    self.engine.device,
                     action.peer,
                     RECV_CHANNELS[action.kind],
                     action.microbatch,
                     f"the {what} of microbatch {action.microbatch} for stage {action.stage} "
                     f"(step {action.step})",
-                    chunk=self.e.layout.chunk_of(action.stage),
+                    chunk=self.engine.layout.chunk_of(action.stage),
                 )
 
     def received(self, kind: ActionKind, action: Action) -> torch.Tensor:
-        return self.e.messenger.wait(self.recvs.pop((kind, action.stage, action.microbatch)))
+        return self.engine.messenger.wait(self.recvs.pop((kind, action.stage, action.microbatch)))
 
     def microbatch(self, action: Action) -> torch.Tensor:
         """The token rows of this F's microbatch (first and last stage only)."""
         if action.step not in self.batches:
             batch = self.next_batch()
-            if self.e.device.type == "cuda":  # queued behind the compute, not waited for
-                batch = batch.pin_memory().to(self.e.device, non_blocking=True)
-            self.batches[action.step] = batch.chunk(self.e.micro_per_step)
-        index = action.microbatch - action.step * self.e.micro_per_step
-        rows = replica_rows(self.batches[action.step][index], self.e.layout)
-        if index == self.e.micro_per_step - 1:
+            if self.engine.device.type == "cuda":  # queued behind the compute, not waited for
+                batch = batch.pin_memory().to(self.engine.device, non_blocking=True)
+            self.batches[action.step] = batch.chunk(self.engine.micro_per_step)
+        index = action.microbatch - action.step * self.engine.micro_per_step
+        rows = replica_rows(self.batches[action.step][index], self.engine.layout)
+        if index == self.engine.micro_per_step - 1:
             del self.batches[action.step]
         return rows
 
     def execute(self, action: Action) -> None:
-        self.HANDLERS[action.kind](self, self.e.held[action.stage], action)
+        self.HANDLERS[action.kind](self, self.engine.held[action.stage], action)
 
     # -- the handlers ---------------------------------------------------------------------------
 
     def forward(self, held: HeldStage, action: Action) -> None:
-        e = self.e
+        engine = self.engine
         rows = self.microbatch(action) if (held.first or held.last) else None
         if held.first:
             x = rows[:, :-1]
         else:
             x = self.received(ActionKind.RECV_ACT, action).requires_grad_(True)
         recording = held.split.forward(action.microbatch) if held.split else nullcontext()
-        with recording, autocast(e.device, e.cfg.dtype):
+        with recording, autocast(engine.device, engine.cfg.dtype):
             out = functional_call(held.module, held.trained.at(action.step), (x,))
         if held.last:
             out = lm_loss(out, rows[:, 1:])
@@ -501,7 +506,7 @@ class _Segment:
         with the next stage's gradient."""
         out = self.stash[action.stage, action.microbatch][1]
         if held.last:
-            return out / self.e.micro_per_step, None
+            return out / self.engine.micro_per_step, None
         return out, self.received(ActionKind.RECV_GRAD, action)
 
     def backward(self, held: HeldStage, action: Action) -> None:
@@ -528,21 +533,21 @@ class _Segment:
         held.split.weight_gradient(action.microbatch)
 
     def send_activation(self, held: HeldStage, action: Action) -> None:
-        self.e.messenger.send(
+        self.engine.messenger.send(
             self.stash[action.stage, action.microbatch][1],
             action.peer,
             Channel.ACTIVATION,
             action.microbatch,
-            chunk=self.e.layout.chunk_of(action.peer),
+            chunk=self.engine.layout.chunk_of(action.peer),
         )
 
     def send_gradient(self, held: HeldStage, action: Action) -> None:
-        self.e.messenger.send(
+        self.engine.messenger.send(
             self.input_grads.pop((action.stage, action.microbatch)),
             action.peer,
             Channel.GRADIENT,
             action.microbatch,
-            chunk=self.e.layout.chunk_of(action.peer),
+            chunk=self.engine.layout.chunk_of(action.peer),
         )
 
     def receive(self, held: HeldStage, action: Action) -> None:
@@ -555,7 +560,7 @@ class _Segment:
         sums = held.step_sums(self.losses.pop(action.step, None) if held.last else None)
         self.updates.start(held, action.step, sums)
 
-    HANDLERS: ClassVar[dict[ActionKind, Callable[[_Segment, HeldStage, Action], None]]] = {
+    HANDLERS: ClassVar[dict[ActionKind, Callable[[ActionRunner, HeldStage, Action], None]]] = {
         ActionKind.F: forward,
         ActionKind.B: backward,
         ActionKind.I: input_gradient,
@@ -581,13 +586,13 @@ class _Segment:
     ) -> None:
         """Once every stage of this process has updated, report the step's statistics to the
         first stage (:mod:`nobubble.pipeline.stats`)."""
-        e = self.e
+        engine = self.engine
         norm, ok, lr = outcome
-        if not e.stats.add(held.index, step, sums, norm, ok, held.last):
+        if not engine.stats.add(held.index, step, sums, norm, ok, held.last):
             return
-        e.step = step + 1
-        e.stats.report(step, lr, self.tell)
-        e.profiler.after_step(step)
+        engine.step = step + 1
+        engine.stats.report(step, lr, self.tell)
+        engine.profiler.after_step(step)
 
     def tell(self, stats: StepStats) -> None:
         """``on_step``, remembering what it raised (its own errors are not the pipeline's)."""

@@ -22,7 +22,7 @@ from nobubble.destinations import check_output_file
 from nobubble.markdown import markdown_table
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.planning.costs import non_embedding_parameters
-from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
+from nobubble.planning.estimate import ClusterPlan, Estimate, estimate, shape_problem
 from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
 from nobubble.planning.shapes import LLAMA3_FAMILY, PLANNING_SHAPES
@@ -143,7 +143,7 @@ def _link(link: Link, gbps: float | None, latency_us: float | None) -> Link:
     )
 
 
-def plan_from_args(args: argparse.Namespace) -> Plan:
+def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     """The plan the flags ask for (each number already in its range: add_arguments)."""
     model = PLANNING_SHAPES[args.preset]
     if model.vocab_size is None:
@@ -151,7 +151,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     device = DEVICES[args.gpu]
     if args.peak_tflops is not None:
         device = dataclasses.replace(device, peak_tflops=args.peak_tflops)
-    return Plan(
+    return ClusterPlan(
         model=model,
         parallel=section_of(ParallelSettings, args),
         microbatch_size=args.microbatch_size,
@@ -164,7 +164,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     )
 
 
-def estimates(plan: Plan) -> tuple[list[Estimate], dict[str, str]]:
+def estimates(plan: ClusterPlan) -> tuple[list[Estimate], dict[str, str]]:
     """Every schedule's prediction, fastest first, and why the others cannot run this shape."""
     done, skipped = [], {}
     for name in PIPELINE_SCHEDULES:
@@ -176,7 +176,7 @@ def estimates(plan: Plan) -> tuple[list[Estimate], dict[str, str]]:
     return sorted(done, key=lambda p: p.step_s), skipped
 
 
-def largest_fitting(plan: Plan, schedule: str, limit_gb: float) -> str:
+def largest_fitting(plan: ClusterPlan, schedule: str, limit_gb: float) -> str:
     """The largest of the Llama 3 shapes whose peak memory per GPU under ``schedule`` and the
     rest of ``plan`` fits in ``limit_gb`` ("none" if not even the smallest)."""
     fitting = "none"
@@ -217,7 +217,7 @@ def check_grid(args: argparse.Namespace) -> None:
         raise ConfigError(f"the shapes of --grid x --grid-ratios {refusal}")
 
 
-def run_grid(args: argparse.Namespace, plan: Plan) -> int:
+def run_grid(args: argparse.Namespace, plan: ClusterPlan) -> int:
     points = grid(plan, args.grid, args.grid_ratios)
     title = (
         f"{args.preset}: {plan.device.name} at MFU {plan.mfu:g}, p2p {plan.p2p.gb_per_s:g} GB/s, "
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if results else 1
 
 
-def conclusion(plan: Plan, results: list[Estimate], limit: float, best: str | None) -> str:
+def conclusion(plan: ClusterPlan, results: list[Estimate], limit: float, best: str | None) -> str:
     """The last line: the best schedule that fits, or why there is none."""
     if not results:
         return (

@@ -51,7 +51,7 @@ STEADY_LIMIT = 4096  # the longest step simulated to find where a schedule's tim
 
 
 @dataclass(frozen=True)
-class Plan:
+class ClusterPlan:
     """What the cost model predicts: a model on a cluster, its pipeline and data-parallel shape
     as a training run's ``parallel`` section says it (stages P, microbatches M per step, dp,
     zero, chunks: None for each interleaved schedule's own). Every schedule is predicted, so
@@ -72,7 +72,7 @@ class Plan:
         if problem:
             raise ConfigError(problem)
 
-    def shaped(self, **parallel: int) -> Plan:
+    def shaped(self, **parallel: int) -> ClusterPlan:
         """This plan with ``parallel``'s settings changed (``stages=8, microbatches=32``)."""
         return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, **parallel))
 
@@ -82,7 +82,7 @@ class Plan:
         return p.microbatches * self.microbatch_size * self.seq_len * p.dp
 
 
-def chunks_of(plan: Plan, spec: ScheduleSpec) -> int:
+def chunks_of(plan: ClusterPlan, spec: ScheduleSpec) -> int:
     """The stages per rank ``spec`` runs ``plan`` with: the plan's chunks (or the schedule's
     own) for an interleaved schedule, else one."""
     if not spec.interleaved:
@@ -104,7 +104,7 @@ class Estimate:
         return max(self.memory_gb)
 
 
-def shape_problem(plan: Plan, schedule: str) -> str | None:
+def shape_problem(plan: ClusterPlan, schedule: str) -> str | None:
     """Why ``schedule`` cannot run ``plan``'s shape (its M rule, its stages per rank, too few
     blocks for its model stages), or None."""
     spec, p = schedule_spec(schedule), plan.parallel
@@ -170,7 +170,7 @@ def _plus(a: tuple[int, ...], d: tuple[int, ...], times: int) -> tuple[int, ...]
 
 
 def _run(
-    plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int, steps: int
+    plan: ClusterPlan, schedule: str, chunks: int, times: _Times, microbatches: int, steps: int
 ) -> SimResult:
     actions = generate(schedule, plan.parallel.stages, microbatches, steps, chunks)
     return simulate(
@@ -179,7 +179,7 @@ def _run(
 
 
 def _simulated(
-    plan: Plan, schedule: str, chunks: int, times: _Times, microbatches: int
+    plan: ClusterPlan, schedule: str, chunks: int, times: _Times, microbatches: int
 ) -> _Simulated:
     """Every microbatch of two and of three steps."""
     two = _run(plan, schedule, chunks, times, microbatches, 2)
@@ -192,12 +192,12 @@ def _simulated(
     )
 
 
-def _simulated_up_to(plan: Plan) -> int:
+def _simulated_up_to(plan: ClusterPlan) -> int:
     """The largest M simulated microbatch by microbatch."""
     return max(EXACT_MICROBATCHES, EXACT_PER_STAGE * plan.parallel.stages)
 
 
-def _steady(plan: Plan, schedule: str, chunks: int, times: _Times, cool_down: int) -> Steady:
+def _steady(plan: ClusterPlan, schedule: str, chunks: int, times: _Times, cool_down: int) -> Steady:
     """Where one long step of ``schedule`` repeats: steps of doubling length, up to
     :data:`STEADY_LIMIT` microbatches."""
     length = 16 * plan.parallel.stages  # a multiple of P, as interleaved schedules need
@@ -214,7 +214,7 @@ def _steady(plan: Plan, schedule: str, chunks: int, times: _Times, cool_down: in
     )
 
 
-def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulated:
+def _figures(plan: ClusterPlan, schedule: str, chunks: int, times: _Times) -> _Simulated:
     """The simulator's figures for the plan's microbatches: simulated, or extended exactly from
     three simulated shapes a period apart once the steps repeat (see the module's note)."""
     m = plan.parallel.microbatches
@@ -244,7 +244,7 @@ def _figures(plan: Plan, schedule: str, chunks: int, times: _Times) -> _Simulate
     return third.plus(growth, (m - base) // period - 2)
 
 
-def bytes_per_parameter(plan: Plan, versions: int, behind_compute: bool) -> float:
+def bytes_per_parameter(plan: ClusterPlan, versions: int, behind_compute: bool) -> float:
     """What a rank holds per parameter of its stages: ``versions`` BF16 weight copies, the FP32
     gradient, the optimizer state (1/dp of it with zero > 0) and, where the reduction runs
     behind the next step's compute (``behind_compute`` with dp > 1), the reduced gradient it
@@ -257,7 +257,7 @@ def bytes_per_parameter(plan: Plan, versions: int, behind_compute: bool) -> floa
     return held
 
 
-def dp_bytes_per_parameter(plan: Plan) -> float:
+def dp_bytes_per_parameter(plan: ClusterPlan) -> float:
     """What a rank sends (and receives) per parameter of its stages each step over the
     data-parallel link: a ring all-reduce of the FP32 gradient, 2(dp-1)/dp of it; with zero=1
     that and an all-gather of the new BF16 weights, (dp-1)/dp of them; with zero=2 a
@@ -268,7 +268,7 @@ def dp_bytes_per_parameter(plan: Plan) -> float:
     return reduce + gather
 
 
-def estimate(plan: Plan, schedule: str) -> Estimate:
+def estimate(plan: ClusterPlan, schedule: str) -> Estimate:
     spec = schedule_spec(schedule)
     chunks = chunks_of(plan, spec)
     costs = stage_costs(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from nobubble.config import ConfigError
 from nobubble.markdown import markdown_table
-from nobubble.planning.estimate import Estimate, Plan, estimate, shape_problem
+from nobubble.planning.estimate import ClusterPlan, Estimate, estimate, shape_problem
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
 
 ASYNC = "2bw"
@@ -37,7 +37,7 @@ class GridPoint:
         return next((p for p in self.sync_runs if p.peak_memory_gb <= limit), None)
 
 
-def grid_point(plan: Plan) -> GridPoint:
+def grid_point(plan: ClusterPlan) -> GridPoint:
     """2bw and every synchronous schedule that can run ``plan``'s shape."""
     runs, skipped = [], {}
     for name in (n for n in PIPELINE_SCHEDULES if n in SYNCHRONOUS_SCHEDULES):
@@ -51,7 +51,7 @@ def grid_point(plan: Plan) -> GridPoint:
     return GridPoint(shape.stages, shape.microbatches, estimate(plan, ASYNC), runs, skipped)
 
 
-def grid(plan: Plan, stages: list[int], ratios: list[int]) -> list[GridPoint]:
+def grid(plan: ClusterPlan, stages: list[int], ratios: list[int]) -> list[GridPoint]:
     """Every (P, M = r·P) of ``stages`` x ``ratios``, the other figures as ``plan``'s."""
     if any(p < 2 for p in stages) or any(r < 1 for r in ratios):
         raise ConfigError("--grid: stages must be at least 2 and ratios M/P at least 1")

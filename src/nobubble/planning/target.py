@@ -19,7 +19,7 @@ from nobubble import delay_law
 from nobubble.config import ConfigError
 from nobubble.delay_law import Law, find_law, load_laws
 from nobubble.planning.costs import non_embedding_parameters
-from nobubble.planning.estimate import Estimate, Plan
+from nobubble.planning.estimate import ClusterPlan, Estimate
 from nobubble.schedules.registry import schedule_spec
 
 QUANTITY = "excess_steps"
@@ -129,7 +129,7 @@ def _delayed_rows(
 
 
 def time_to_target(
-    plan: Plan, estimates: list[Estimate], laws: list[Law], optim: str, tokens: float,
+    plan: ClusterPlan, estimates: list[Estimate], laws: list[Law], optim: str, tokens: float,
     limit_gb: float,
 ) -> TimeToTarget:  # fmt: skip
     """Every estimated schedule's time to the synchronous final loss at ``tokens``."""

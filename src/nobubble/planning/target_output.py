@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from nobubble.markdown import markdown_table
-from nobubble.planning.estimate import Plan
+from nobubble.planning.estimate import ClusterPlan
 from nobubble.planning.target import (
     FIT_COMMAND,
     LEVEL,
@@ -81,7 +81,7 @@ def verdict_lines(target: TimeToTarget, limit: float) -> list[str]:
 
 
 def target_lines(
-    args: argparse.Namespace, plan: Plan, target: TimeToTarget | None, limit: float
+    args: argparse.Namespace, plan: ClusterPlan, target: TimeToTarget | None, limit: float
 ) -> list[str]:
     """The time-to-target table under the throughput plan, or why there is none."""
     if target is None:
@@ -121,7 +121,7 @@ def _row_json(target: TimeToTarget, r: Row) -> dict:
     return row
 
 
-def target_json(args: argparse.Namespace, plan: Plan, target: TimeToTarget | None) -> dict:
+def target_json(args: argparse.Namespace, plan: ClusterPlan, target: TimeToTarget | None) -> dict:
     """The time to target for ``--json``: seconds, steps (low, central, high) and tokens."""
     if target is None:
         return {"optim": args.optim, "note": no_law(args)}

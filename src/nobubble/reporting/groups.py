@@ -25,7 +25,7 @@ from typing import Any
 from nobubble.config import SECTIONS, TrainConfig
 from nobubble.config.fields import FREE
 from nobubble.corrections.registry import chosen
-from nobubble.reporting.runs import Run
+from nobubble.reporting.runs import RecordedRun
 from nobubble.schedules.registry import SCHEDULE_NAMES, SYNCHRONOUS_SCHEDULES
 
 # The keys that choose a delay correction or set one's strength (dropped to find the plain run):
@@ -75,7 +75,7 @@ class Stat:
 @dataclass(frozen=True)
 class Group:
     settings: dict[str, Any]  # without the seed
-    runs: tuple[Run, ...]
+    runs: tuple[RecordedRun, ...]
 
     @property
     def optim(self) -> str:
@@ -105,7 +105,7 @@ class Group:
         return Stat.of([r.final_bpb for r in self.runs])
 
     @property
-    def finished(self) -> tuple[Run, ...]:
+    def finished(self) -> tuple[RecordedRun, ...]:
         """The runs that did not diverge."""
         return tuple(r for r in self.runs if not r.diverged)
 
@@ -165,9 +165,9 @@ def _label(correction: str) -> str:
     return "EF" if correction == "ef" else correction
 
 
-def group_runs(runs: Sequence[Run]) -> list[Group]:
+def group_runs(runs: Sequence[RecordedRun]) -> list[Group]:
     """Group over seeds, ordered by optimizer, schedule, corrections, then the other settings."""
-    buckets: dict[str, list[Run]] = {}
+    buckets: dict[str, list[RecordedRun]] = {}
     settings: dict[str, dict[str, Any]] = {}
     for run in runs:
         key_settings = {k: v for k, v in run.settings.items() if k != "seed"}
@@ -199,8 +199,8 @@ def varied_keys(groups: Sequence[Group], exclude: Sequence[str] = ()) -> list[st
 
 @dataclass(frozen=True)
 class Origins:
-    """The machines and code versions (:attr:`Run.machine`, :attr:`Run.code`) of a share's own
-    group and of the groups it is set against, each in the order first met."""
+    """The machines and code versions (:attr:`RecordedRun.machine`, :attr:`RecordedRun.code`) of
+    a share's own group and of the groups it is set against, each in the order first met."""
 
     machines: tuple[str, ...]
     reference_machines: tuple[str, ...]

@@ -105,7 +105,7 @@ class EvalPoint:
 
 
 @dataclass(frozen=True)
-class Run:
+class RecordedRun:
     path: Path
     config: dict[str, Any]
     summary: dict[str, Any]
@@ -192,7 +192,7 @@ def eval_metrics(folder: Path) -> Metrics:
     return Metrics(tuple(sorted(points, key=lambda p: p.step)), by_step, damaged)
 
 
-def load_run(path: Path, summary: dict[str, Any]) -> tuple[Run, str | None]:
+def load_run(path: Path, summary: dict[str, Any]) -> tuple[RecordedRun, str | None]:
     """The run in ``path`` (whose summary is ``summary``), and a warning if some of its metrics
     lines are damaged."""
     metrics = eval_metrics(path)
@@ -201,7 +201,7 @@ def load_run(path: Path, summary: dict[str, Any]) -> tuple[Run, str | None]:
         result_settings(config)
     except ConfigError as exc:
         raise damaged_config(path, exc) from None
-    run = Run(path, config, summary, metrics.evals, latest_scores(path), metrics.measured)
+    run = RecordedRun(path, config, summary, metrics.evals, latest_scores(path), metrics.measured)
     if not metrics.damaged:
         return run, None
     return run, f"{RunFolder(path).metrics_path}: skipped {metrics.damaged} damaged line(s)"
@@ -231,12 +231,12 @@ def run_folders(path: Path) -> list[Path]:
     return found
 
 
-def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
+def discover(paths: list[Path]) -> tuple[list[RecordedRun], list[str]]:
     """Finished and diverged runs under ``paths``; a warning for each unfinished or duplicate one.
 
     A path that neither is a run folder nor holds one is an error (most likely a typo).
     """
-    runs: list[Run] = []
+    runs: list[RecordedRun] = []
     warnings: list[str] = []
     seen: dict[str, Path] = {}
     for path in paths:
@@ -279,5 +279,5 @@ def parse_filter(text: str) -> Filter:
     return key, [coerce(key, v) for v in values.split(",")]
 
 
-def matches(run: Run, filters: list[Filter]) -> bool:
+def matches(run: RecordedRun, filters: list[Filter]) -> bool:
     return all(run.settings[key] in values for key, values in filters)

@@ -41,7 +41,7 @@ from nobubble.planning.costs import non_embedding_parameters
 from nobubble.reporting.groups import PIPELINE_KEYS, corrections_of
 from nobubble.reporting.law_fit import LEVEL, Fit, Point, fit_law
 from nobubble.reporting.penalty import Penalty, penalty
-from nobubble.reporting.runs import ReportError, Run
+from nobubble.reporting.runs import RecordedRun, ReportError
 from nobubble.schedules.registry import SYNCHRONOUS_SCHEDULES
 
 SYNC = "sync"
@@ -77,7 +77,7 @@ def size_and_tokens(settings: dict) -> tuple[int, int]:
     return non_embedding_parameters(mc), tokens
 
 
-def curve(run: Run) -> list[tuple[float, float]]:
+def curve(run: RecordedRun) -> list[tuple[float, float]]:
     return [(p.step, p.val_loss) for p in run.evals]
 
 
@@ -85,8 +85,8 @@ def curve(run: Run) -> list[tuple[float, float]]:
 class Pair:
     """A delayed run and its synchronous partner."""
 
-    sync: Run
-    delayed: Run
+    sync: RecordedRun
+    delayed: RecordedRun
     setup: str
     params: int
     tokens: int
@@ -123,7 +123,7 @@ class Ladder:
     excluded: list[str]  # pairs with a diverged run; runs that are no part of a ladder
 
 
-def pair_runs(runs: Sequence[Run], allow_mixed: bool = False) -> Ladder:
+def pair_runs(runs: Sequence[RecordedRun], allow_mixed: bool = False) -> Ladder:
     """Each delayed run with its synchronous partner (see the module's docstring)."""
     setups = {id(run): setup_of(run.settings) for run in runs}
     syncs = [r for r in runs if setups[id(r)] == SYNC]
@@ -156,7 +156,7 @@ def pair_runs(runs: Sequence[Run], allow_mixed: bool = False) -> Ladder:
     return Ladder(pairs, unpaired, excluded)
 
 
-def _mixed_origins(sync: Run, delayed: Run) -> str | None:
+def _mixed_origins(sync: RecordedRun, delayed: RecordedRun) -> str | None:
     """Why a pair's gap is not one machine's and one code version's (None: it is)."""
     for what, mine, theirs in (
         ("machine", delayed.machine, sync.machine),
@@ -179,7 +179,7 @@ def origins(pairs: Sequence[Pair]) -> dict[tuple[str, str], int]:
     return counts
 
 
-def _without_pipeline(run: Run) -> dict:
+def _without_pipeline(run: RecordedRun) -> dict:
     return {k: v for k, v in run.settings.items() if k not in PIPELINE_KEYS}
 
 
@@ -205,7 +205,7 @@ def ladder_points(pairs: Sequence[Pair]) -> dict[PointKey, list[Pair]]:
     return points
 
 
-def _without_seed(run: Run) -> dict:
+def _without_seed(run: RecordedRun) -> dict:
     return {k: v for k, v in run.settings.items() if k != "seed"}
 
 
