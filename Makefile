@@ -1,18 +1,22 @@
 # The two commands of the README quickstart: `make train` and `make test`.
-# Both create the virtual environment on first use (scripts/bootstrap.sh).
+# Both create the virtual environment on first use (scripts/bootstrap.sh), from the hashed locks
+# of scripts/lock.sh: `make train` installs nobubble's own dependencies (locks/core.txt); `make
+# test` those of every optional extra too (locks/all.txt), so that every test runs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-# `make test` installs every optional extra, so the tests of export, eval and the loggers run.
-TEST_EXTRAS := dev,hf,eval,tensorboard,wandb
 
-.PHONY: train test test-all test-fast lint bootstrap bootstrap-test
+.PHONY: train test test-all test-fast lint lock bootstrap bootstrap-test
 
 bootstrap:
-	@VENV=$(VENV) scripts/bootstrap.sh
+	@VENV=$(VENV) LOCK=core scripts/bootstrap.sh
 
 bootstrap-test:
-	@VENV=$(VENV) EXTRAS=$(TEST_EXTRAS) scripts/bootstrap.sh
+	@VENV=$(VENV) LOCK=all scripts/bootstrap.sh
+
+# after a change to pyproject.toml's dependencies; ARGS=--upgrade moves every pin to the newest
+lock: bootstrap-test
+	UV=$(VENV)/bin/uv scripts/lock.sh $(ARGS)
 
 train: bootstrap
 	$(VENV)/bin/nobubble train $(ARGS)
@@ -28,6 +32,6 @@ test-all: bootstrap-test
 test-fast: bootstrap-test
 	$(PY) -m pytest -q -m "not slow and not extended" $(ARGS)
 
-lint: bootstrap
+lint: bootstrap-test
 	$(VENV)/bin/ruff check src tests benchmarks experiments
 	$(VENV)/bin/ruff format --check src tests benchmarks experiments

@@ -10,9 +10,10 @@
 #
 # Environment:
 #   VENV              the virtual environment (default .venv), made by scripts/bootstrap.sh if
-#                     missing. bootstrap reuses a torch >= 2.9 that $PYTHON already has (keep
-#                     your CUDA build: PYTHON=/path/to/python-with-cuda-torch), else installs
-#                     $NOBUBBLE_TORCH (default torch==2.13.0). A venv whose torch cannot see a
+#                     missing, with every extra (LOCK=all: the tests run). bootstrap reuses a
+#                     torch >= 2.9 that $PYTHON already has (keep your CUDA build:
+#                     PYTHON=/path/to/python-with-cuda-torch), else installs $NOBUBBLE_TORCH
+#                     (default locks/torch.txt's torch==2.13.0). A venv whose torch cannot see a
 #                     GPU (a CPU wheel) is refused with what to do instead.
 #   GPU_CHECK_OUT     the results folder (default gpu-check-<date>-<time> here)
 #   GPU_CHECK_BUDGET_S  seconds for the whole check (default 540): a step that would start with
@@ -68,7 +69,7 @@ printf '# GPU check, %s\n\n| step | result | seconds |\n|---|---|---:|\n' "$(dat
 
 # -- the environment -----------------------------------------------------------------------------
 log "bootstrapping $VENV (scripts/bootstrap.sh)"
-if ! VENV="$VENV" scripts/bootstrap.sh >>"$OUT/gpu_check.log" 2>&1; then
+if ! VENV="$VENV" LOCK=all scripts/bootstrap.sh >>"$OUT/gpu_check.log" 2>&1; then
     tail -n 20 "$OUT/gpu_check.log" >&2
     die "scripts/bootstrap.sh failed (above; the whole log is $OUT/gpu_check.log)"
 fi

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nobubble.config.extras import require
 from nobubble.data.corpus import corpus_documents
 from nobubble.data.errors import DataError
 
@@ -185,8 +186,8 @@ def read_jsonl(path: Path, field: str) -> Iterator[str]:
 
 
 def read_parquet(path: Path, field: str) -> Iterator[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa = require("pyarrow", f"reading {path}")
+    pq = require("pyarrow.parquet", f"reading {path}")
 
     try:
         parquet = pq.ParquetFile(path)
@@ -250,18 +251,16 @@ def record_text(record: Any, field: str, where: str) -> str:
 
 def open_hf_stream(source: HFDataset) -> Any:
     """``datasets.load_dataset(NAME, CONFIG, split="train", streaming=True)``."""
-    from datasets import load_dataset
-    from datasets.exceptions import DatasetsError
-
+    datasets = require("datasets", f"data={source.describe()}")
     try:
-        stream = load_dataset(
+        stream = datasets.load_dataset(
             source.name,
             source.config,
             split="train",
             streaming=True,
             data_files=list(source.data_files) if source.data_files else None,
         )
-    except (DatasetsError, OSError, ValueError, ConnectionError) as exc:
+    except (datasets.exceptions.DatasetsError, OSError, ValueError, ConnectionError) as exc:
         raise DataError(
             f"cannot stream Hugging Face dataset {source.describe()!r} (split 'train'): {exc}\n"
             "Check the name and config (data=hf:NAME:CONFIG) and your network"

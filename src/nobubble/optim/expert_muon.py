@@ -16,10 +16,7 @@ from typing import Any
 
 import torch
 
-# torch's LR adjustment (torch.optim._muon), so that a slice gets exactly Muon's update
-from torch.optim._muon import _adjust_lr
-
-from nobubble.optim.muon import momentum_direction, orthogonalize
+from nobubble.optim.muon import adjust_lr, momentum_direction, orthogonalize
 
 
 class ExpertMuon(torch.optim.Optimizer):
@@ -60,7 +57,7 @@ class ExpertMuon(torch.optim.Optimizer):
                     continue
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
                 update = momentum_direction(p.grad, buf, momentum, group["nesterov"])
-                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape[1:])
+                adjusted = adjust_lr(lr, group["adjust_lr_fn"], p.shape[1:])
                 p.mul_(1 - lr * decay)
                 for expert in range(p.shape[0]):
                     ortho = orthogonalize(update[expert], self.ns_dtype)

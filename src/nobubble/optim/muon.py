@@ -17,8 +17,19 @@ from typing import Any
 
 import torch
 
-# torch's Muon constants and LR adjustment (torch.optim._muon), so the update is exactly torch's
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
+# torch's Muon constants and LR adjustment, so that the update is exactly torch's. They are
+# private to torch.optim._muon (nobubble's one home for them: ExpertMuon takes adjust_lr from
+# here), and torch may move them in any release: tests/test_torch_private.py names what moved,
+# and so does importing this module.
+try:
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
+    from torch.optim._muon import _adjust_lr as adjust_lr
+except ImportError as exc:
+    raise ImportError(
+        f"nobubble's Muon (nobubble/optim/muon.py) uses private names of torch.optim._muon that "
+        f"torch {torch.__version__} does not have ({exc}); install the torch nobubble is tested "
+        "with (scripts/bootstrap.sh: torch==2.13.0), or adapt nobubble/optim/muon.py to this torch"
+    ) from exc
 
 Coefficients = tuple[float, float, float]
 
@@ -112,4 +123,4 @@ class Muon(torch.optim.Muon):
                     group["eps"],
                 )
                 p.mul_(1 - lr * decay)
-                p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from nobubble.config import TrainConfig
+from nobubble.config.extras import require
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 from nobubble.optim.expert_muon import ExpertMuon
 from nobubble.optim.muon import Muon, ns_dtype
@@ -68,19 +70,22 @@ def _muon(groups: Groups, cfg: TrainConfig) -> CompositeOptimizer:
     return CompositeOptimizer(parts)
 
 
-def _lion(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
-    from pytorch_optimizer import Lion
+def _pytorch_optimizer(cfg: TrainConfig) -> ModuleType:
+    """The optional library of lion, adan, soap, mars and signum (the extra ``optimizers``)."""
+    return require("pytorch_optimizer", f"optim={cfg.optim}")
 
-    return Lion(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decouple=True)
+
+def _lion(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return _pytorch_optimizer(cfg).Lion(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decouple=True
+    )
 
 
 def _adan(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
-    from pytorch_optimizer import Adan
-
     # weight_decouple=True: AdamW-style w·(1 - lr·wd) like every other optimizer here (the
     # library default is the paper's proximal w/(1 + lr·wd)); max_grad_norm=0 turns off Adan's
     # own clipping, which uses the global norm of all the parameters it was given.
-    return Adan(
+    return _pytorch_optimizer(cfg).Adan(
         groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2, cfg.beta3),
@@ -94,14 +99,12 @@ _SOAP_MAX_PRECONDITION_DIM = 10000  # a longer side is not preconditioned (the l
 
 
 def _soap(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
-    from pytorch_optimizer import SOAP
-
     for group in groups:
         if group["kind"] == Kind.EMBEDDING:
             # Precondition only the d_model side: a vocab x vocab eigenbasis costs V² memory
             # and an O(V³) eigendecomposition for little gain.
             group["max_precondition_dim"] = min(min(p.shape) for _, p in group["params"])
-    return SOAP(
+    return _pytorch_optimizer(cfg).SOAP(
         groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
@@ -111,12 +114,10 @@ def _soap(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 def _mars(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
-    from pytorch_optimizer import MARS
-
     # 1-D tensors take MARS's internal AdamW at lr·(lr_1d/lr): lr_1d=lr keeps that factor 1 so
     # set_lr scales both; they are gains, so no decay.
     betas = (cfg.beta1, cfg.beta2)
-    return MARS(
+    return _pytorch_optimizer(cfg).MARS(
         groups,
         lr=cfg.lr,
         betas=betas,
@@ -128,9 +129,9 @@ def _mars(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 def _signum(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
-    from pytorch_optimizer import SignSGD
-
-    return SignSGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decouple=True)
+    return _pytorch_optimizer(cfg).SignSGD(
+        groups, lr=cfg.lr, momentum=cfg.momentum, weight_decouple=True
+    )
 
 
 def _sgd(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:

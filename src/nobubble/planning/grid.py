@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nobubble.config import ConfigError
+from nobubble.config.extras import require
 from nobubble.markdown import markdown_table
 from nobubble.planning.estimate import ClusterPlan, Estimate, estimate, shape_problem
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, SYNCHRONOUS_SCHEDULES
@@ -85,12 +86,7 @@ def grid_table(points: list[GridPoint]) -> str:
 
 def grid_png(points: list[GridPoint], path: Path, title: str) -> None:
     """2bw / best sync against M/P, one line per P (solid: any memory; dashed: at most 2bw's)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.2))
+    fig = require("matplotlib.figure", "plan --grid --png").Figure(figsize=(7, 4.2))
     ax = fig.add_subplot()
     for p in sorted({pt.stages for pt in points}):
         row = [pt for pt in points if pt.stages == p]

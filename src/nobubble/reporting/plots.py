@@ -13,12 +13,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-
+from nobubble.config.extras import require
 from nobubble.reporting.groups import Group, varied_keys
 from nobubble.reporting.table import COLUMN_KEYS, settings_label
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 PALETTE += ("tab:pink", "tab:gray", "tab:olive", "tab:cyan")
@@ -52,7 +55,8 @@ class Colors:
 def figure_with_panels(names: Sequence[str]) -> tuple[Figure, list[Axes]]:
     cols = min(4, len(names))
     rows = math.ceil(len(names) / cols)
-    fig = Figure(figsize=(4.2 * cols, 3.4 * rows), layout="constrained")
+    figure = require("matplotlib.figure", "drawing the report's figures")
+    fig = figure.Figure(figsize=(4.2 * cols, 3.4 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True).ravel().tolist()
     for ax in axes[len(names) :]:
         ax.set_visible(False)

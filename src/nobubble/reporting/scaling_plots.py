@@ -15,12 +15,15 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.axes import Axes
 
 from nobubble.reporting.law_fit import LEVEL, PARAMS, TOKENS, Fit
 from nobubble.reporting.plots import Colors, figure_with_panels
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 LABELS = {
     "gap": "gap (final loss − sync's)",

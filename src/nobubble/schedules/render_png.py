@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nobubble.config.extras import require
 from nobubble.schedules.ir import ActionKind
 from nobubble.schedules.timing import SimResult
 
@@ -77,9 +78,8 @@ def _draw_panel(ax: Axes, title: str, result: SimResult, xmax: float) -> None:
 
 def render_png(panels: Sequence[tuple[str, SimResult]], path: str | Path) -> None:
     """Write one figure with a panel per (title, result), sharing the time axis."""
-    # imported here so that importing the schedules (as the runtime does) stays light
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+    Figure = require("matplotlib.figure", "a PNG timeline (--png)").Figure
+    Patch = require("matplotlib.patches", "a PNG timeline (--png)").Patch
 
     xmax = max(result.makespan for _, result in panels)
     rows = sum(result.ranks for _, result in panels)
