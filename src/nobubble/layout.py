@@ -16,9 +16,13 @@ pipeline's messages cross nodes. With ``dp = 1`` and one chunk, rank == stage.
 
 With ``chunks`` v > 1 (interleaved schedules' virtual stages) the model is cut into P·v model
 stages and the process at pipeline position r holds model stages r, P + r, ..., (v-1)·P + r, as
-in Megatron-LM; messages and the schedule's actions name model stages, and :meth:`rank_of` maps a
-model stage to its process. The layout is the one home of the count of model stages
-(:attr:`model_stages`, built from a config by :meth:`ParallelLayout.of`).
+in Megatron-LM (the ``loop`` placement). The ``v`` placement (ZB-V, DualPipeV) cuts the model into
+2P model stages and gives position r stages r and 2P-1-r: the model runs down the ranks and back
+up, so the hand-off at the bottom of the V (stage P-1 to P, both at position P-1) stays in memory
+and the first and the last model stage share position 0. Messages and the schedule's actions name
+model stages, and :meth:`rank_of` maps a model stage to its process. The layout is the one home
+of the count of model stages (:attr:`model_stages`, built from a config by
+:meth:`ParallelLayout.of`) and of the placements' maps.
 
 Everything that needs "my stage", a neighbour, the logging rank or a checkpoint shard asks the
 layout; its maps are pure (no process group needed). In the one-process engine a layout is a
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp")  # outermost first
+LOOP, V = "loop", "v"  # placements of model stages on pipeline positions (module docstring)
+PLACEMENTS = (LOOP, V)
 
 
 def first_process() -> bool:
@@ -50,18 +56,28 @@ def first_process() -> bool:
 @dataclass(frozen=True)
 class ParallelLayout:
     """Rank ``rank`` of ``pp * dp`` processes: ``dp`` replicas of a ``pp``-stage pipeline, each
-    process holding ``chunks`` model stages."""
+    process holding ``chunks`` model stages placed by ``placement`` (``loop`` or ``v``)."""
 
     pp: int
     dp: int = 1
     rank: int = 0
     chunks: int = 1
+    placement: str = LOOP
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp, self.chunks) < 1:
             raise ValueError(
                 f"parallel degrees must be >= 1 (got pp={self.pp}, dp={self.dp}, "
                 f"chunks={self.chunks})"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"unknown placement {self.placement!r}; choose one of: {', '.join(PLACEMENTS)}"
+            )
+        if self.placement == V and self.chunks != 2:
+            raise ValueError(
+                f"the V placement puts exactly 2 model stages on each pipeline position (r and "
+                f"2P-1-r), got chunks={self.chunks}; use chunks=2"
             )
         self._check_rank(self.rank)
 
@@ -108,14 +124,22 @@ class ParallelLayout:
                 f"no stage {stage} of replica {replica} in a layout of pp={self.pp}, "
                 f"dp={self.dp}, chunks={self.chunks}"
             )
-        return stage % self.pp * self.dp + replica
+        return self.position_of(stage) * self.dp + replica
+
+    def position_of(self, stage: int) -> int:
+        """The pipeline position (pp rank) holding model stage ``stage``."""
+        chunk, offset = divmod(stage, self.pp)
+        return self.pp - 1 - offset if self.placement == V and chunk % 2 else offset
 
     def stages_of(self, pp_rank: int) -> tuple[int, ...]:
         """The model stages the processes at pipeline position ``pp_rank`` hold, in order."""
+        if self.placement == V:
+            return (pp_rank, 2 * self.pp - 1 - pp_rank)
         return tuple(chunk * self.pp + pp_rank for chunk in range(self.chunks))
 
     def chunk_of(self, stage: int) -> int:
-        """Which of its process's model stages ``stage`` is (0 for the first)."""
+        """Which of its process's model stages ``stage`` is (0 for the first; both placements
+        put stage c·P + i in chunk c)."""
         return stage // self.pp
 
     @property
@@ -135,12 +159,12 @@ class ParallelLayout:
     @property
     def is_first_stage(self) -> bool:
         """Whether this process holds model stage 0 (the embedding)."""
-        return self.pp_rank == 0
+        return self.pp_rank == self.position_of(0)
 
     @property
     def is_last_stage(self) -> bool:
-        """Whether this process holds the last model stage (the head)."""
-        return self.pp_rank == self.pp - 1
+        """Whether this process holds the last model stage (the head; position 0 under V)."""
+        return self.pp_rank == self.position_of(self.model_stages - 1)
 
     @property
     def leader(self) -> int:

@@ -8,40 +8,73 @@
   the flushing schedules, d = 1 for 2bw (w[t+1] = w[t] - Δ(g(w[t-1])), w[-1] = w[0]) and
   d = P-1-s at stage s for pipedream. The max() is the start of the run, where the older version
   does not exist.
-* Between two model stages, the messages of each kind (activations, gradients) are received in
-  the order they are sent: what a transport without tags (NCCL) needs, since it pairs the n-th
-  send with the n-th receive (``nobubble.pipeline.links``).
+* Every model stage runs on the rank its schedule's placement puts it (``loop``: stage c·P + r on
+  rank r; ``v``: stages r and 2P-1-r on rank r), the map the training layout uses.
+* Between two model stages on different ranks, the messages of each kind (activations,
+  gradients) are received in the order they are sent: what a transport without tags (NCCL)
+  needs, since it pairs the n-th send with the n-th receive (``nobubble.pipeline.links``). Two
+  stages on one rank (the bottom of the V) hand over in memory: no message, nothing to pair.
 * A stage holds at most d + 1 weight versions (its weight stash), and a rank at most the
   activations its schedule's registry spec allows (activation_budget).
 """
 
 from __future__ import annotations
 
-from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError, stage_count
+from nobubble.layout import ParallelLayout
+from nobubble.schedules.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    stage_count,
+    stage_ranks,
+)
 from nobubble.schedules.lowering import is_lowered, lower
 from nobubble.schedules.registry import schedule_spec
 from nobubble.schedules.timing import SimResult, simulate
 
 
+def _computed(actions: Schedule) -> list[Action]:
+    """Every F/B/I/W of the schedule, an FB's halves apart."""
+    return [p for rank in actions for a in rank if a.kind.is_compute for p in a.parts]
+
+
 def _coverage(actions: Schedule) -> list[str]:
-    expected = {a.microbatch for rank in actions for a in rank if a.kind.is_compute}
+    computed = _computed(actions)
+    expected = {a.microbatch for a in computed}
     done: dict[int, dict[ActionKind, set[int | None]]] = {}
-    for rank in actions:
-        for a in rank:
-            if a.kind.is_compute:
-                done.setdefault(a.stage, {}).setdefault(a.kind, set()).add(a.microbatch)
+    for a in computed:
+        done.setdefault(a.stage, {}).setdefault(a.kind, set()).add(a.microbatch)
     problems = []
     for stage in sorted(done):
         ran = done[stage]
-        split = ran.get(ActionKind.I, set()) | ran.get(ActionKind.W, set())
-        needed = [ActionKind.F, *((ActionKind.I, ActionKind.W) if split else (ActionKind.B,))]
-        for kind in needed:
-            missing = expected - ran.get(kind, set())
+        whole, split = ran.get(ActionKind.B, set()), ran.get(ActionKind.I, set())
+        for kind, missing in (
+            (ActionKind.F, expected - ran.get(ActionKind.F, set())),
+            # a microbatch's backward is a B or an I and a W (DualPipeV mixes both)
+            (ActionKind.B, expected - whole - split - ran.get(ActionKind.W, set())),
+            (ActionKind.I, ran.get(ActionKind.W, set()) - split),
+            (ActionKind.W, split - ran.get(ActionKind.W, set())),
+        ):
             if missing:
                 problems.append(
                     f"stage {stage} never runs {kind} of microbatches {sorted(missing)}"
                 )
     return problems
+
+
+def _placement(actions: Schedule, stages: int, placement: str) -> list[str]:
+    """Every model stage on the rank its schedule's placement (the layout's map) puts it."""
+    ranks = len(actions)
+    if stages % ranks:
+        return [f"{stages} model stages do not split evenly over {ranks} ranks"]
+    layout = ParallelLayout(ranks, chunks=stages // ranks, placement=placement)
+    return [
+        f"stage {stage} runs on rank {rank}; the {placement} placement puts it on rank "
+        f"{layout.rank_of(stage)}"
+        for stage, rank in sorted(stage_ranks(actions).items())
+        if rank != layout.rank_of(stage)
+    ]
 
 
 def _gradient_delays(stage_actions: list[Action], delay: int) -> list[str]:
@@ -109,9 +142,11 @@ def check_invariants(
         stages = stage_count(actions)
     except ScheduleError as exc:
         return [str(exc)]
-    problems = _coverage(actions)
+    problems = _coverage(actions) + _placement(actions, stages, spec.placement)
     for s in range(stages):
-        stage_actions = [a for rank in actions for a in rank if a.stage == s]
+        stage_actions = [
+            p for rank in actions for a in rank for p in a.parts if p.stage == s
+        ]  # in each rank's order (a stage's actions all sit on one rank)
         problems += _gradient_delays(stage_actions, spec.delay(s, stages))
     try:
         lowered = actions if is_lowered(actions) else lower(actions)
@@ -123,7 +158,7 @@ def check_invariants(
     problems += result.violations
     ranks = len(actions)
     per_step = sum(
-        a.kind is ActionKind.F and a.stage == 0 and a.step == 0 for rank in actions for a in rank
+        a.kind is ActionKind.F and a.stage == 0 and a.step == 0 for a in _computed(actions)
     )
     for r, held in enumerate(result.peak_activations):
         budget = spec.activation_budget(r, ranks, per_step, stages // ranks)

@@ -9,6 +9,12 @@ Conventions shared by the generators, the simulator, the renderers and the runti
 * A backward is either one B, or split in two (zero-bubble schedules): I computes the gradient
   of the stage's input (what the previous stage waits for) and W the gradient of its weights
   (what the STEP needs). The forward's activations are held until B or W.
+* An overlapped F&B (``FB``, DualPipeV) is one action made of two halves that run as one: a
+  forward of one stage and microbatch and a full backward (B) of another stage and microbatch
+  on the same rank, so that one half's communication can hide behind the other's compute. The
+  action's own fields are its forward half's; ``paired`` is its backward half. What an action
+  computes is read through :attr:`Action.parts` (the two halves of an FB, the action itself
+  otherwise); an FB receives what either half needs before it and sends what either makes after.
 * ``microbatch`` is a global index over the whole run (0 .. steps*M - 1), not an index within a
   minibatch; ``step`` is the optimizer step (minibatch) the action belongs to. For gpipe, 1f1b and
   2bw ``step == microbatch // M``; for pipedream every microbatch is its own step, so
@@ -36,6 +42,7 @@ class ActionKind(enum.StrEnum):
     B = "B"  # the whole backward: input and weight gradients
     I = "I"  # noqa: E741 - the input-gradient half of a split backward
     W = "W"  # the weight-gradient half
+    FB = "FB"  # an overlapped forward and backward of two stages of one rank (DualPipeV)
     STEP = "STEP"
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
@@ -44,11 +51,12 @@ class ActionKind(enum.StrEnum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+        return self in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FB)
 
     @property
     def is_backward(self) -> bool:
-        return self in (ActionKind.B, ActionKind.I, ActionKind.W)
+        """B, I, W, or an FB (which holds a B)."""
+        return self in (ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FB)
 
     @property
     def makes_input_gradient(self) -> bool:
@@ -78,8 +86,29 @@ class Action:
     version: int
     step: int
     peer: int | None = None
+    paired: Action | None = None  # an FB's backward half (a B); None for every other kind
+
+    def __post_init__(self) -> None:
+        if (self.kind is ActionKind.FB) != (self.paired is not None):
+            raise ScheduleError(
+                f"{self.kind} with paired={self.paired}: an FB, and only an FB, "
+                "pairs its forward with a backward"
+            )
+        if self.paired is not None and self.paired.kind is not ActionKind.B:
+            raise ScheduleError(f"an FB's backward half is a B, got {self.paired}")
+
+    @property
+    def parts(self) -> tuple[Action, ...]:
+        """What the action computes, as F/B/I/W actions: an FB's forward and backward halves,
+        the action itself otherwise."""
+        if self.paired is None:
+            return (self,)
+        forward = Action(ActionKind.F, self.stage, self.microbatch, self.version, self.step)
+        return (forward, self.paired)
 
     def __str__(self) -> str:
+        if self.paired is not None:
+            return f"{self.parts[0]}&{self.paired}"
         if self.kind is ActionKind.STEP:
             return f"STEP{self.step}->v{self.version}@s{self.stage}"
         arrow = ""
@@ -96,7 +125,7 @@ def stage_ranks(actions: Schedule) -> dict[int, int]:
     """The rank that runs each stage, read off the lists; every stage must sit on one rank."""
     ranks: dict[int, int] = {}
     for rank, rank_actions in enumerate(actions):
-        for a in rank_actions:
+        for a in (part for action in rank_actions for part in action.parts):
             if ranks.setdefault(a.stage, rank) != rank:
                 raise ScheduleError(
                     f"stage {a.stage} has actions on ranks {ranks[a.stage]} and {rank}: a stage's "
@@ -121,9 +150,10 @@ def version_last_uses(rank_actions: list[Action]) -> dict[tuple[int, int], int]:
     the stage's newest; the simulator counts weight versions held under exactly this rule.
     """
     last: dict[tuple[int, int], int] = {}
-    for i, a in enumerate(rank_actions):
-        if a.kind.is_compute:
-            last[a.stage, a.version] = i
-        elif a.kind is ActionKind.STEP:
-            last[a.stage, a.version - 1] = i
+    for i, action in enumerate(rank_actions):
+        if action.kind is ActionKind.STEP:
+            last[action.stage, action.version - 1] = i
+        elif action.kind.is_compute:
+            for a in action.parts:
+                last[a.stage, a.version] = i
     return last

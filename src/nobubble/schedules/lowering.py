@@ -11,7 +11,9 @@ Placement: a RECV sits immediately before the F or B/I that consumes it, so a pr
 blocks on data it does not need yet; a SEND sits immediately after the F or B/I that produced it,
 so the peer gets it as early as possible. A stage sends activations to the next stage after F
 (except the last stage, which computes the loss) and gradients to the previous one after B or I
-(except stage 0); W sends nothing. Stages on the same rank hand over in memory: no SEND/RECV.
+(except stage 0); W sends nothing; an overlapped F&B (FB) receives for both halves before it and
+sends for both after it. Stages on the same rank hand over in memory: no SEND/RECV (the bottom of
+the V placement, stage P-1 to P on rank P-1, is such a hand-off).
 """
 
 from __future__ import annotations
@@ -41,19 +43,24 @@ def lower_rank(
     def remote(stage: int, other: int) -> bool:
         return 0 <= other <= last and rank_of[other] != rank_of[stage]
 
-    for a in rank_actions:
-        if a.kind.is_comm:
-            raise ScheduleError(f"{a} is a communication action: the schedule is already lowered")
-        s = a.stage
-        if a.kind is ActionKind.F and remote(s, s - 1):
-            yield _comm(a, ActionKind.RECV_ACT, s - 1)
-        if a.kind.makes_input_gradient and remote(s, s + 1):
-            yield _comm(a, ActionKind.RECV_GRAD, s + 1)
-        yield a
-        if a.kind is ActionKind.F and remote(s, s + 1):
-            yield _comm(a, ActionKind.SEND_ACT, s + 1)
-        if a.kind.makes_input_gradient and remote(s, s - 1):
-            yield _comm(a, ActionKind.SEND_GRAD, s - 1)
+    for action in rank_actions:
+        if action.kind.is_comm:
+            raise ScheduleError(
+                f"{action} is a communication action: the schedule is already lowered"
+            )
+        for a in action.parts:  # an FB receives what either half needs before it runs
+            s = a.stage
+            if a.kind is ActionKind.F and remote(s, s - 1):
+                yield _comm(a, ActionKind.RECV_ACT, s - 1)
+            if a.kind.makes_input_gradient and remote(s, s + 1):
+                yield _comm(a, ActionKind.RECV_GRAD, s + 1)
+        yield action
+        for a in action.parts:  # and sends what either half made after it
+            s = a.stage
+            if a.kind is ActionKind.F and remote(s, s + 1):
+                yield _comm(a, ActionKind.SEND_ACT, s + 1)
+            if a.kind.makes_input_gradient and remote(s, s - 1):
+                yield _comm(a, ActionKind.SEND_GRAD, s - 1)
 
 
 def lower(actions: Schedule) -> Schedule:

@@ -1,8 +1,10 @@
 """PNG timeline (matplotlib): one panel per schedule, one row per stage, time to the right.
 
-Forwards are blue and backwards orange, in alternating shades per optimizer step; each box shows
-its microbatch and, below it, the weight version it computes with. Black bars are optimizer
-steps; grey is idle time (the bubble). Panels share the time axis so they compare at a glance.
+Forwards are blue and backwards orange (split ones red and green, DualPipeV's overlapped F&B
+purple, labelled with both halves' microbatches and stages), in alternating shades per optimizer
+step; each box shows its microbatch and, below it, the weight version it computes with (or, where
+a rank runs several stages, the stage). Black bars are optimizer steps; grey is idle time (the
+bubble). Panels share the time axis so they compare at a glance.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ COLORS = {  # (even step, odd step)
     ActionKind.B: ("#e07b39", "#f3b27f"),
     ActionKind.I: ("#c0392b", "#e8968c"),
     ActionKind.W: ("#2e8b57", "#8fd1a8"),
+    ActionKind.FB: ("#7d3c98", "#c39bd3"),
 }
 IDLE_COLOR = "#e4e4e4"
 INCHES_PER_UNIT = 0.3
@@ -46,7 +49,7 @@ def _draw_panel(ax: Axes, title: str, result: SimResult, xmax: float) -> None:
             ax.text(
                 mid,
                 s - 0.1,
-                str(a.microbatch),
+                "&".join(str(part.microbatch) for part in a.parts),
                 ha="center",
                 va="center",
                 fontsize=7.5,
@@ -56,7 +59,9 @@ def _draw_panel(ax: Axes, title: str, result: SimResult, xmax: float) -> None:
             ax.text(
                 mid,
                 s + 0.25,
-                f"v{a.version}" if result.one_stage_per_rank else f"s{a.stage}",
+                f"v{a.version}"
+                if result.one_stage_per_rank
+                else "&".join(f"s{part.stage}" for part in a.parts),
                 ha="center",
                 va="center",
                 fontsize=6,
@@ -98,6 +103,7 @@ def render_png(panels: Sequence[tuple[str, SimResult]], path: str | Path) -> Non
         ActionKind.B: "backward",
         ActionKind.I: "input-gradient backward",
         ActionKind.W: "weight-gradient backward",
+        ActionKind.FB: "overlapped forward & backward (F&B)",
     }
     handles = [Patch(color=COLORS[k][0], label=text) for k, text in labels.items() if k in kinds]
     handles += [
@@ -107,7 +113,7 @@ def render_png(panels: Sequence[tuple[str, SimResult]], path: str | Path) -> Non
     fig.legend(
         handles=handles,
         loc="outside lower center",
-        ncols=len(handles),
+        ncols=min(len(handles), 3),
         fontsize=8,
         frameon=False,
     )

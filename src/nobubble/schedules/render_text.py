@@ -1,7 +1,8 @@
 """Text grid: one row per rank, time running left to right, wrapped to a terminal width.
 
 Each F/B/I/W is drawn as its label (``F5v1``: forward of microbatch 5 with weight version 1;
-``F5.6v1`` when ranks run several stages: the same at stage 6) padded to its duration; ``.`` is
+``F5.6v1`` when ranks run several stages: the same at stage 6; ``F5.0v0&B2.3v0`` an overlapped
+forward and backward, DualPipeV's F&B) padded to its duration; ``.`` is
 idle time and ``|`` marks a STEP (the end of the cell before it). :func:`render_excerpt` draws a
 few columns of the same grid around one action, marked (the pipeline's failures show it).
 """
@@ -20,8 +21,15 @@ TICKS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 100_000, 
 
 
 def cell_label(a: Action, with_stage: bool = False) -> str:
+    """``F5v1``, ``F5.6v1`` with the stage; an overlapped F&B as its halves: ``F5.0v0&B2.3v0``."""
+    if a.paired is not None:
+        return "&".join(cell_label(part, with_stage) for part in a.parts)
     stage = f".{a.stage}" if with_stage else ""
     return f"{a.kind}{a.microbatch}{stage}v{a.version}"
+
+
+def _overlaps(result: SimResult) -> bool:
+    return any(t.action.kind is ActionKind.FB for rank in result.timeline for t in rank)
 
 
 def _time_scale(result: SimResult) -> int:
@@ -64,7 +72,8 @@ def _ruler(result: SimResult, scale: int, width: int, tick: int) -> list[str]:
 
 def _legend(result: SimResult, scale: int) -> str:
     return (
-        f"F/B/I/W<microbatch>{'' if result.one_stage_per_rank else '.<stage>'}v<weight version>; "
+        f"F/B/I/W<microbatch>{'' if result.one_stage_per_rank else '.<stage>'}v<weight version>"
+        f"{' (F..&B..: overlapped F&B)' if _overlaps(result) else ''}; "
         f"{IDLE} idle; {STEP_MARK} optimizer step; "
         f"{scale} characters per time unit"
     )

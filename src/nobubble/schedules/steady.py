@@ -33,11 +33,12 @@ def _starts(result: SimResult) -> list[list[float]]:
     starts: dict[tuple[str, int], dict[int, float]] = {}
     for rank in result.timeline:
         for timed in rank:
-            a = timed.action
-            if a.kind.is_compute:
-                starts.setdefault((a.kind.value, a.stage), {})[a.microbatch] = timed.start
-    keys = sorted(starts)
+            if timed.action.kind.is_compute:
+                for a in timed.action.parts:  # an FB's halves start together
+                    starts.setdefault((a.kind.value, a.stage), {})[a.microbatch] = timed.start
     count = 1 + max(max(by_microbatch) for by_microbatch in starts.values())
+    # the kinds every microbatch runs at a stage (DualPipeV runs some backwards whole, some split)
+    keys = sorted(key for key, by_microbatch in starts.items() if len(by_microbatch) == count)
     return [[starts[key][i] for key in keys] for i in range(count)]
 
 

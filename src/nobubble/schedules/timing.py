@@ -1,11 +1,13 @@
 """Discrete-event simulator of a lowered schedule.
 
 Every rank executes its list in order. F takes ``fwd[s]`` for stage s, B takes ``bwd[s]``; a
-split backward's I takes ``bwd[s] - wgrad[s]`` and its W ``wgrad[s]``; STEP, SEND and RECV take no
-time of their own. A SEND is buffered (never waits); a RECV waits until its SEND has finished plus
-the communication latency. An action starts when its predecessor on the rank has finished and,
-for a RECV, when its message has arrived; the times are therefore independent of the order in
-which ranks are advanced. When no rank can advance before all are done, the schedule is
+split backward's I takes ``bwd[s] - wgrad[s]`` and its W ``wgrad[s]``; an overlapped F&B (FB) the
+sum of its halves (their compute does not overlap; what DualPipe overlaps is one half's
+communication with the other's compute); STEP, SEND and RECV take no time of their own. A SEND
+is buffered (never waits); a RECV waits until its SEND has finished plus the communication
+latency. An action starts when its predecessor on the rank has finished and, for a RECV, when its
+message has arrived; the times are therefore independent of the order in which ranks are
+advanced. When no rank can advance before all are done, the schedule is
 deadlocked and :class:`DeadlockError` names the stuck actions.
 
 While executing, each rank also tracks what a real process would hold and reports (rather than
@@ -101,11 +103,13 @@ class SimResult:
 
     @property
     def microbatches(self) -> int:
-        """Microbatches that went through the pipeline (forwards run at stage 0)."""
+        """Microbatches that went through the pipeline (forwards run at stage 0, alone or as an
+        F&B's forward half)."""
         return sum(
-            t.action.kind is ActionKind.F and t.action.stage == 0
+            a.kind is ActionKind.F and a.stage == 0
             for rank in self.timeline
             for t in rank
+            for a in t.action.parts
         )
 
     @cached_property
@@ -208,7 +212,8 @@ class _RankState:
 
     def execute(self, index: int, a: Action) -> None:
         if a.kind.is_compute:
-            self._compute(a)
+            for part in a.parts:  # an FB's forward half, then its backward half
+                self._compute(part)
         elif a.kind is ActionKind.STEP:
             if a.version != self.newest[a.stage] + 1:
                 self.violations.append(
@@ -344,7 +349,7 @@ def simulate(
                     if _message(a) not in arrivals:
                         break
                     start = max(start, arrivals.pop(_message(a)))
-                end = start + durations[a.kind][a.stage] if a.kind.is_compute else start
+                end = start + sum(durations[p.kind][p.stage] for p in a.parts if p.kind.is_compute)
                 if a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
                     if _message(a) in arrivals:
                         violations.append(f"{a} sends a message that is already pending")

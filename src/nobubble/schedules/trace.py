@@ -43,11 +43,12 @@ def chrome_trace(panels: Sequence[tuple[str, SimResult]]) -> dict[str, object]:
                     events.append(
                         base
                         | {
-                            "name": f"{a.kind}{a.microbatch}",
+                            "name": "&".join(f"{p.kind}{p.microbatch}" for p in a.parts),
                             "ph": "X",
                             "dur": (t.end - t.start) * MICROSECONDS_PER_UNIT,
                             "args": {
                                 "stage": a.stage,
+                                **({"paired": str(a.paired)} if a.paired else {}),
                                 "microbatch": a.microbatch,
                                 "version": a.version,
                                 "step": a.step,
