@@ -167,7 +167,7 @@ def test_long_computations_show_progress(capsys, monkeypatch):
     monkeypatch.setattr(schedule_cli, "PROGRESS_DELAY_S", 0.0)
     assert cli("--schedule", "all", "--stages", "3", "--microbatches", "6", "--no-grid") == 0
     bar = capsys.readouterr().err.split("\r")
-    assert bar[-1].startswith(f"{SCHEDULE_NAMES[-1]}: checking invariants: 100%|")  # all done
+    assert bar[-1].startswith(f"{PIPELINE_SCHEDULES[-1]}: checking invariants: 100%|")  # all done
 
 
 def test_python_dash_m_errors_are_one_line():

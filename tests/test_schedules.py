@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nobubble.layout import ParallelLayout
 from nobubble.schedules import (
     SCHEDULE_NAMES,
     Action,
@@ -315,10 +316,16 @@ def test_invariants_hold(shape):
     assert check_invariants(actions, schedule) == []
     n = m * steps
     chunks = schedule_spec(schedule).default_chunks
+    layout = ParallelLayout(p, chunks=chunks, placement=schedule_spec(schedule).placement)
     for s in range(p * chunks):
-        assert stage_ranks(actions)[s] == s % p  # interleaved: stage c·P + r on rank r
-        forwards = {
-            a.microbatch: a for rank in actions for a in rank if a.kind is K.F and a.stage == s
+        # interleaved: stage c·P + r on rank r; the V: stages r and 2P-1-r
+        assert stage_ranks(actions)[s] == layout.rank_of(s)
+        forwards = {  # an F, or an overlapped F&B's forward half (dualpipev)
+            f.microbatch: f
+            for rank in actions
+            for a in rank
+            for f in a.parts
+            if f.kind is K.F and f.stage == s
         }
         assert sorted(forwards) == list(range(n))
         for k, a in forwards.items():

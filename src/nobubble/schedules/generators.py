@@ -17,6 +17,21 @@ which weight version each forward uses (the schedule's registry spec says which)
   up to 2P microbatches. With F = I = W its steady step is 3M, no bubble, once M >= 2P: a
   stage's STEP waits for its own W's only, so the first stages start the next step's forwards
   while the last ones still run the W's they kept back, and those fill the wait for them.
+* ZB-V (Qi et al., section 6 of the zero-bubble paper's later version): the V placement, rank r
+  holding stages r (down) and 2P-1-r (up), I and W split. Warm-up: 2(P-r)-1 forwards of the
+  first stage, then r pairs (a forward of the second, one of the first), then P-r times a
+  forward, I and W of the second; steady: F, I, W of the first stage, then of the second, while
+  forwards remain; cool-down: r pairs of I's (first, second stage), then P-r times an I and the
+  oldest pending W of the first stage, then every W left, the second stage's first. With F = I
+  = W and enough microbatches every rank is busy but for the fill; fewer than 2P-1 microbatches
+  run the order of 2P-1 with the missing ones left out (as torch's ScheduleZBVZeroBubble).
+* DualPipeV (DeepSeek-V3's DualPipe folded onto P ranks, as in DeepSeek's dualpipev and torch's
+  ScheduleDualPipeV): the V placement; on rank r, with stages a = r and b = 2P-1-r, eight phases:
+  (1) 2(P-1-r) forwards of a; (2) r+1 pairs F a, F b; (3) P-1-r times I b, the oldest pending
+  W, F b; (4) M-2P+r+1 times an overlapped F a & B b then F b & B a (the last rank runs its very
+  first F a and B b apart); (5) P-1-r times B b, then F b & B a; (6) r+1 pairs of backwards of b
+  and a, full B's until half way, I's after (the odd ranks switch one action earlier); (7)
+  P-1-r times the oldest pending W and a backward of a; (8) the r+1 W's left.
 """
 
 from __future__ import annotations
@@ -27,8 +42,11 @@ from itertools import chain
 from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from nobubble.schedules.registry import ScheduleSpec, schedule_spec
 
-Order = Iterator[tuple[ActionKind, int, int]]  # (kind, stage, microbatch), produced lazily
-F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
+# (kind, stage, microbatch), produced lazily; an FB is (FB, forward stage, forward microbatch,
+# backward stage, backward microbatch)
+Task = tuple[ActionKind, int, int] | tuple[ActionKind, int, int, int, int]
+Order = Iterator[Task]
+F, B, I, W, FB = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FB  # noqa: E741
 
 
 def gpipe_order(stage: int, microbatches: range) -> Order:
@@ -103,8 +121,98 @@ def zero_bubble_h2_order(stage: int, stages: int, microbatches: range) -> Order:
     return zero_bubble_order(stage, microbatches, 2 * (stages - 1 - stage) + 1, 2 * stage)
 
 
+def zero_bubble_v_order(rank: int, ranks: int, microbatches: range) -> Order:
+    """ZB-V on rank r of P (module docstring): stages r and 2P-1-r."""
+    down, up = rank, 2 * ranks - 1 - rank
+    n = max(len(microbatches), 2 * ranks - 1)  # the order of at least 2P-1 microbatches
+    made = {(kind, stage): 0 for kind in (F, I, W) for stage in (down, up)}
+
+    def run(kind: ActionKind, stage: int) -> Iterator[tuple[ActionKind, int, int]]:
+        i = made[kind, stage]
+        made[kind, stage] += 1
+        if i < len(microbatches):  # one of the microbatches that exist
+            yield kind, stage, microbatches[i]
+
+    for _ in range(2 * (ranks - rank) - 1):
+        yield from run(F, down)
+    for _ in range(rank):
+        yield from chain(run(F, up), run(F, down))
+    for _ in range(ranks - rank):
+        yield from chain(run(F, up), run(I, up), run(W, up))
+    while made[F, down] < n or made[F, up] < made[F, down]:
+        if made[F, down] < n:
+            yield from run(F, down)
+        yield from chain(run(I, down), run(W, down), run(F, up), run(I, up), run(W, up))
+    for _ in range(rank):
+        yield from chain(run(I, down), run(I, up))
+    for _ in range(ranks - rank):
+        yield from chain(run(I, down), run(W, down))
+    for stage in (up, down):
+        while made[W, stage] < made[I, stage]:
+            yield from run(W, stage)
+
+
+def dualpipev_order(rank: int, ranks: int, microbatches: range) -> Order:
+    """DualPipeV on rank r of P (module docstring): stages r and 2P-1-r, M >= 2P."""
+    a, b = rank, 2 * ranks - 1 - rank
+    made: dict[tuple[int, bool], int] = {}  # (stage, backward?) -> microbatches begun
+    pending: list[tuple[int, int]] = []  # (stage, microbatch) of the I's whose W waits
+
+    def take(stage: int, backward: bool) -> int:
+        i = made.get((stage, backward), 0)
+        made[stage, backward] = i + 1
+        return microbatches[i]
+
+    def forward(stage: int) -> Task:
+        return F, stage, take(stage, False)
+
+    def backward(stage: int, split: bool = False) -> Task:
+        k = take(stage, True)
+        if split:
+            pending.append((stage, k))
+        return (I if split else B), stage, k
+
+    def overlapped(forward_stage: int, backward_stage: int) -> Task:
+        return FB, *forward(forward_stage)[1:], *backward(backward_stage)[1:]
+
+    def weight() -> Task:
+        return W, *pending.pop(0)
+
+    for _ in range(2 * (ranks - 1 - rank)):
+        yield forward(a)
+    for _ in range(rank + 1):
+        yield forward(a)
+        yield forward(b)
+    for _ in range(ranks - 1 - rank):
+        yield backward(b, split=True)
+        yield weight()
+        yield forward(b)
+    for i in range(len(microbatches) - 2 * ranks + rank + 1):
+        if i == 0 and rank == ranks - 1:  # the first pair at the bottom runs apart
+            yield forward(a)
+            yield backward(b)
+        else:
+            yield overlapped(a, b)
+        yield overlapped(b, a)
+    for _ in range(ranks - 1 - rank):
+        yield backward(b)
+        yield overlapped(b, a)
+    split = False
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        yield backward(b, split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        yield backward(a, split)
+    for _ in range(ranks - 1 - rank):
+        if pending:
+            yield weight()
+        yield backward(a, split)
+    while pending:
+        yield weight()
+
+
 def _emit(
-    rank_order: Iterable[tuple[ActionKind, int, int]],
+    rank_order: Iterable[Task],
     microbatches: int,
     *,
     step_per_microbatch: bool,
@@ -126,21 +234,30 @@ def _emit(
     stashed: dict[tuple[int, int], int] = {}
     produced: dict[int, int] = {}
     applied: dict[tuple[int, int], int] = {}  # (stage, step) -> weight gradients so far
-    for kind, stage, k in rank_order:
+
+    def compute(kind: ActionKind, stage: int, k: int) -> Action:
         t = step_of(k)
         if kind is F:
             version = max(t - 1, 0) if delayed else produced.get(stage, 0)
             stashed[stage, k] = version
-            yield Action(F, stage, k, version, t)
-            continue
-        version = stashed[stage, k] if kind is I else stashed.pop((stage, k))
-        yield Action(kind, stage, k, version, t)
-        if kind.makes_weight_gradient:
-            applied[stage, t] = applied.get((stage, t), 0) + 1
-            if applied[stage, t] == per_step:
-                del applied[stage, t]
-                produced[stage] = produced.get(stage, 0) + 1
-                yield Action(ActionKind.STEP, stage, None, produced[stage], t)
+        else:
+            version = stashed[stage, k] if kind is I else stashed.pop((stage, k))
+        return Action(kind, stage, k, version, t)
+
+    for kind, stage, k, *backward in rank_order:
+        if kind is FB:
+            forward, last = compute(F, stage, k), compute(B, *backward)
+            yield Action(FB, stage, k, forward.version, forward.step, paired=last)
+        else:
+            last = compute(kind, stage, k)
+            yield last
+        if last.kind.makes_weight_gradient:
+            key = (last.stage, last.step)
+            applied[key] = applied.get(key, 0) + 1
+            if applied[key] == per_step:
+                del applied[key]
+                produced[last.stage] = produced.get(last.stage, 0) + 1
+                yield Action(ActionKind.STEP, last.stage, None, produced[last.stage], last.step)
 
 
 def _checked(
@@ -169,6 +286,10 @@ def _rank_order(
         return zero_bubble_h1_order(rank, ranks, microbatches)
     if spec.order == "zb-h2":
         return zero_bubble_h2_order(rank, ranks, microbatches)
+    if spec.order == "zb-v":
+        return zero_bubble_v_order(rank, ranks, microbatches)
+    if spec.order == "dualpipev":
+        return dualpipev_order(rank, ranks, microbatches)
     return one_f_one_b_order(rank, ranks, microbatches)
 
 

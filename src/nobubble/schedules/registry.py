@@ -21,6 +21,7 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nobubble.layout import LOOP, V
 from nobubble.schedules.ir import ScheduleError
 
 
@@ -57,6 +58,21 @@ def _interleaved_activations(rank: int, ranks: int, microbatches: int, chunks: i
     return min(warmup + 1, microbatches * chunks)
 
 
+def _zero_bubble_v_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
+    """ZB-V: 2P forwards of its two stages at most (P of a whole rank's, 1F1B's first rank's, on
+    every rank): its first stage's 2P-1 and one of its second at the end of the warm-up, then
+    one freed (W) for each made (F). With fewer microbatches, the M of its first stage and r + 1
+    of its second before its first W, and never more than all 2M."""
+    return min(2 * ranks, microbatches + 1 + rank, 2 * microbatches)
+
+
+def _dualpipev_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
+    """DualPipeV: 2P forwards after its warm-up on every rank, then each I or B frees one and
+    each F makes one; an overlapped F&B holds its forward's activations while its backward's
+    are still there: 2P + 1 (half a rank's more than ZB-V)."""
+    return 2 * ranks + 1
+
+
 def _any_microbatches(stages: int, microbatches: int) -> str | None:
     return None
 
@@ -67,6 +83,18 @@ def _multiple_of_stages(stages: int, microbatches: int) -> str | None:
             f"interleaved-1f1b runs microbatches in groups of P through each rank's stages, so M "
             f"must be a multiple of P (got M={microbatches}, P={stages}); use "
             f"{-(-microbatches // stages) * stages} microbatches"
+        )
+    return None
+
+
+def _twice_the_stages(stages: int, microbatches: int) -> str | None:
+    if microbatches < 2 * stages:
+        return (
+            f"dualpipev needs microbatches >= 2 x stages (got M={microbatches}, P={stages}): "
+            "each rank runs 2P-1-r forwards of its first stage and r+1 of its second before "
+            "its first overlapped forward and backward, so the warm-up alone takes 2P "
+            f"microbatches; use {2 * stages} or more microbatches (DeepSeek-V3, torch's "
+            "ScheduleDualPipeV)"
         )
     return None
 
@@ -87,7 +115,9 @@ def _at_least_stages(stages: int, microbatches: int) -> str | None:
 class ScheduleSpec:
     name: str
     summary: str
-    order: str  # microbatch order per rank: gpipe, 1f1b, interleaved, zb-h1, zb-h2 (generators.py)
+    # microbatch order per rank: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipev
+    # (generators.py)
+    order: str
     flushes: bool  # synchronous: every step's gradients are computed at the weights it updates
     # 2bw: every forward of step t uses version t-1, even once version t exists (double buffer);
     # otherwise a forward uses the newest version the stage holds
@@ -102,7 +132,14 @@ class ScheduleSpec:
     # or W), counted per stage
     activation_rule: Callable[[int, int, int, int], int] = _one_f_one_b_activations
     default_chunks: int = 1  # stages per rank; above 1, the schedule takes any number >= 2
-    split_backward: bool = False  # backwards are I + W (zero-bubble), not B
+    # which rank holds which model stage (nobubble.layout): loop, stage c·P + r on rank r; v,
+    # stages r and 2P-1-r on rank r (exactly 2 per rank)
+    placement: str = LOOP
+    split_backward: bool = False  # backwards are I + W (zero-bubble), not B (or some of them)
+    # whether an engine trains with it; False: schedule-level only (generated, checked,
+    # simulated and drawn by `nobubble schedule`), until the engines run its placement and
+    # actions (issue 39's runtime phase)
+    trains: bool = True
     # another name for that schedule's semantics and order (sync: 1f1b); left out of listings
     same_as: str | None = None
 
@@ -138,6 +175,11 @@ class ScheduleSpec:
 
     def chunk_problem(self, chunks: int) -> str | None:
         """Why ``chunks`` stages per rank cannot run, or None."""
+        if self.placement == V and chunks != 2:
+            return (
+                f"{self.name} places exactly 2 stages on each rank (r and 2P-1-r, a V), got "
+                f"chunks={chunks}; leave chunks to the schedule"
+            )
         if self.interleaved and chunks < 2:
             return f"{self.name} needs at least 2 stages per rank (chunks), got {chunks}"
         if not self.interleaved and chunks != 1:
@@ -215,11 +257,44 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             activation_rule=_zero_bubble_h2_activations,
             split_backward=True,
         ),
+        ScheduleSpec(
+            "zb-v",
+            "zero bubble with the V placement (Qi et al.): rank r holds stages r and 2P-1-r, "
+            "backwards split into I and W, near-zero bubble at 1F1B's activation memory; flush "
+            "before each step",
+            order="zb-v",
+            flushes=True,
+            activation_rule=_zero_bubble_v_activations,
+            default_chunks=2,
+            placement=V,
+            split_backward=True,
+            trains=False,
+        ),
+        ScheduleSpec(
+            "dualpipev",
+            "DeepSeek-V3's DualPipe cut in half: the V placement, a forward and a backward of "
+            "the rank's two stages overlapped as one action (F&B), bubble (P-1)(F&B+B-3W); "
+            "M >= 2P; flush before each step",
+            order="dualpipev",
+            flushes=True,
+            microbatch_rule=_twice_the_stages,
+            activation_rule=_dualpipev_activations,
+            default_chunks=2,
+            placement=V,
+            split_backward=True,
+            trains=False,
+        ),
     )
 }
-SCHEDULE_NAMES = tuple(SCHEDULES)  # every name the ``schedule`` setting accepts
-# the distinct pipeline orders, for listings and comparisons (sync is 1f1b)
-PIPELINE_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.same_as is None)
+# every name the ``schedule`` setting and ``nobubble schedule`` know (configure refuses to train
+# with the trains=False ones)
+SCHEDULE_NAMES = tuple(SCHEDULES)
+# the distinct pipeline orders an engine trains with, for listings and comparisons (the planner,
+# the GPU check, `nobubble schedule --schedule all`); sync is 1f1b, and the schedule-level ones
+# (trains=False) join once an engine runs them
+PIPELINE_SCHEDULES = tuple(
+    name for name, spec in SCHEDULES.items() if spec.same_as is None and spec.trains
+)
 # the schedules whose gradients are computed at the weights they update (sync included)
 SYNCHRONOUS_SCHEDULES = frozenset(name for name, spec in SCHEDULES.items() if spec.flushes)
 
