@@ -91,10 +91,10 @@ def _twice_the_stages(stages: int, microbatches: int) -> str | None:
     if microbatches < 2 * stages:
         return (
             f"dualpipev needs microbatches >= 2 x stages (got M={microbatches}, P={stages}): "
-            "each rank runs 2P-1-r forwards of its first stage and r+1 of its second before "
-            "its first overlapped forward and backward, so the warm-up alone takes 2P "
-            f"microbatches; use {2 * stages} or more microbatches (DeepSeek-V3, torch's "
-            "ScheduleDualPipeV)"
+            "the published schedule (DeepSeek's DualPipeV, torch's ScheduleDualPipeV) is "
+            "defined from 2P on, its warm-up alone running 2P-1 forwards of the first stage and "
+            "one of the last on the first rank, before M-2P+r+1 rounds of overlapped forwards "
+            f"and backwards on rank r; use {2 * stages} or more microbatches"
         )
     return None
 
