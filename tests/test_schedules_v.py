@@ -1,18 +1,21 @@
 """The V placement (rank r holds model stages r and 2P-1-r) and its two schedules, ZB-V and
 DualPipeV: hand-drawn action lists, torch's orders as a facts check, the invariants over a grid,
-the bubble their papers give, and the pictures. Schedule-level only: no engine trains with them
-yet (configure says so)."""
+the bubble their papers give, the pictures, and the one-process engine's run of them (the
+pipeline runtime refuses them, so far)."""
 
 import itertools
 import json
 
 import pytest
+import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from nobubble.cli import main
-from nobubble.config import ConfigError
-from nobubble.configure import build_config
+from nobubble.config import ConfigError, TrainConfig
+from nobubble.configure import build_config, resolve_config
 from nobubble.layout import ParallelLayout, V
+from nobubble.one_process import OneProcessEngine
+from nobubble.run.torchrun import check_launch
 from nobubble.schedules import (
     Action,
     ActionKind,
@@ -274,10 +277,40 @@ def test_a_stopped_run_is_the_shorter_runs_lists(name):
         assert stopped == generate(name, 3, 6, t)[rank]
 
 
-def test_the_v_schedules_are_drawn_but_not_trained_yet():
+def one_process_run(mc, **settings) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Five steps of the one-process engine: the losses and the final weights."""
+    base = dict(batch_size=8, microbatches=4, seq_len=16, lr=1e-2, warmup_steps=2, steps=5)
+    cfg = resolve_config(TrainConfig(**{**base, **settings}))
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, mc.vocab_size, (8, 17), generator=gen) for _ in range(5)]
+    engine, losses, feed = OneProcessEngine(cfg, mc, torch.device("cpu")), [], iter(data)
+    engine.run_steps(len(data), lambda: next(feed), lambda s: losses.append(s.loss))
+    return losses, engine.named_weights()
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+def test_the_one_process_engine_trains_them_as_sync_on_their_model_stages(tiny_mc, name):
+    """Synchronous, so the one-process engine's run of a V schedule on P = 2 (4 model stages,
+    tied embedding over the first and the last) is the sync run on 4 stages, bit for bit: the
+    same partition, per-stage clipping and updates; the order only matters to the runtime."""
+    tied = {"tie_embeddings": True, "optim": "muon"}
+    losses, weights = one_process_run(tiny_mc, schedule=name, stages=2, **tied)
+    sync_losses, sync_weights = one_process_run(tiny_mc, schedule="sync", stages=4, **tied)
+    assert losses == sync_losses
+    assert weights.keys() == sync_weights.keys()
+    assert all(torch.equal(weights[n], sync_weights[n]) for n in weights)
+
+
+def test_the_pipeline_runtime_refuses_them_before_any_work():
     assert {"zb-v", "dualpipev"}.isdisjoint(PIPELINE_SCHEDULES)  # the planner's, the GPU check's
-    with pytest.raises(ConfigError, match=r"zb-v is not trained with yet.*zb-h1, zb-h2 or "):
-        build_config({"schedule": "zb-v", "stages": 2, "microbatches": 4})
+    cfg = build_config({"schedule": "zb-v", "stages": 2, "microbatches": 4})
+    assert cfg.chunks == 2 and ParallelLayout.of(cfg).model_stages == 4
+    with pytest.raises(
+        ConfigError,
+        match=r"zb-v does not run on the pipeline runtime yet.*"
+        r"train it without torchrun",
+    ):
+        check_launch(cfg, ParallelLayout(2, chunks=2, placement=V))
 
 
 def test_the_cli_draws_them(tmp_path, capsys):

@@ -69,13 +69,6 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
 
 def _check_schedule(cfg: TrainConfig) -> None:
     spec = schedule_spec(cfg.schedule)
-    if not spec.trains:
-        raise ConfigError(
-            f"{spec.name} is not trained with yet: `nobubble schedule --schedule {spec.name}` "
-            "generates, checks, simulates and draws it, but neither engine runs its V "
-            "placement and actions (docs/schedules.md); train with zb-h1, zb-h2 or "
-            "interleaved-1f1b meanwhile"
-        )
     problem = spec.microbatch_problem(cfg.stages, cfg.microbatches)
     if problem:
         raise ConfigError(problem)

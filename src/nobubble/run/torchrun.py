@@ -44,6 +44,7 @@ from nobubble.pipeline.replicas import peer_failures
 from nobubble.pipeline.runtime import PipelineEngine
 from nobubble.run.telling import Told, tell
 from nobubble.runfolder.resume import RunFinished
+from nobubble.schedules.registry import schedule_spec
 
 T = TypeVar("T")
 
@@ -73,6 +74,12 @@ def launch_layout(cfg: TrainConfig) -> ParallelLayout:
 
 def check_launch(cfg: TrainConfig, layout: ParallelLayout) -> None:
     """Errors that must stop every rank before any work starts (the config itself is valid)."""
+    if not schedule_spec(cfg.schedule).runtime:
+        raise ConfigError(
+            f"{cfg.schedule} does not run on the pipeline runtime yet (its V placement and "
+            "actions: docs/schedules.md); train it without torchrun (the one-process engine "
+            "runs its semantics exactly), or use zb-h1, zb-h2 or interleaved-1f1b under torchrun"
+        )
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts and not cfg.out:
         raise ConfigError(
