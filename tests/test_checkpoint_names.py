@@ -23,7 +23,6 @@ from nobubble.checkpoint.named_state import (
     load_named_state,
     named_state,
 )
-from nobubble.cli import main
 from nobubble.configure import build_config
 from nobubble.model.layers import build_model
 from nobubble.model.partition import partition, stage_parameter_names
@@ -31,15 +30,13 @@ from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.stage_update import build_stage_optimizer
+from tests.helpers.runs import CONSTANT, assert_close_runs, launch, resume, train
 from tests.pipeline_helpers import (
     EXTENDED,
-    SMALL,
     assert_same_run,
     nobubble,
-    run_train,
     snapshot,
 )
-from tests.test_data_parallel import assert_close_runs
 
 MODEL = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "seq_len": 32}
 SPLITS = {"whole": 1, "2 stages": 2, "3 stages": 3}
@@ -158,17 +155,6 @@ def test_group_state_that_disagrees_between_shards_is_refused():
 # -- whole runs in one process ----------------------------------------------------------------
 
 
-def train(out, *args: str) -> int:
-    return main(["train", "--no-progress", "--out", str(out), *SMALL, *args])
-
-
-def resume(run, *args: str) -> int:
-    return main(["train", "--no-progress", "--resume", str(run), *args])
-
-
-CONSTANT = ["lr_schedule=constant", "eval_every=3"]  # a run cut at 3 steps continues to 6
-
-
 def test_a_new_stage_split_continues_exactly_in_the_simulator(tmp_path):
     """2bw: every stage holds versions t-1 and t, whatever the split. Without clipping (the only
     per-stage rule) a 2-stage and a 4-stage run are the same run."""
@@ -254,11 +240,6 @@ def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path, capsys):
 
 
 # -- across launchers and stage counts (torchrun) -------------------------------------------------
-
-
-def launch(*args: str, stages: int) -> None:
-    done = run_train(*args, stages=stages, timeout=600)
-    assert done.returncode == 0, f"{' '.join(done.args)}:\n{done.stdout}\n{done.stderr}"
 
 
 @pytest.mark.slow

@@ -15,9 +15,9 @@ from nobubble.configure import build_config
 from nobubble.one_process import DelayedTrainer
 from nobubble.runfolder.folder import run_name
 from nobubble.schedules.registry import schedule_spec
+from tests.helpers.runs import cut_back_to, resume, train
 from tests.pipeline_helpers import assert_same_run, losses
 from tests.test_delay_exact import adamw_update, column, quadratic_trainer, run
-from tests.test_resume import cut_back_to, resume, train
 
 
 def points_seen(trainer: DelayedTrainer) -> list[list[float]]:
