@@ -1,5 +1,6 @@
 """Whole runs: training and resuming in this process or under torchrun, cutting a run short,
-waiting on a run in the background, and comparing runs within a rounding tolerance."""
+waiting on a run in the background, comparing runs within a rounding tolerance, and run folders
+written by hand for the report's tests."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from nobubble.cli import main
+from nobubble.config import TrainConfig
+from nobubble.staleness import DRIFT
 from tests.pipeline_helpers import SMALL, final_weights, losses, run_train
 
 CONSTANT = ["lr_schedule=constant", "eval_every=3"]  # a run cut at 3 steps continues to 6
@@ -85,3 +88,31 @@ def assert_close_runs(a, b) -> None:
     for name in wa:
         gap = (wa[name] - wb[name]).abs().max().item()
         assert gap <= weight_atol, f"{name} differs by {gap}"
+
+
+def make_run(
+    root: Path,
+    final: float,
+    finished: bool = True,
+    name_as: str | None = None,
+    drift: tuple[list, list] | None = None,
+    **settings,
+) -> Path:
+    """A run folder as training writes it: the loss falls linearly to ``final`` over 100 s;
+    ``drift``: the per-stage weight drift of its evaluations at steps 50 and 100."""
+    cfg = TrainConfig(**{"steps": 100, **settings})
+    folder = root / (name_as or "-".join(f"{k}={v}" for k, v in sorted(settings.items())))
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(cfg.to_json())
+    evals = [(0, 5.0, 0.0), (50, final + 1.0, 50.0), (100, final, 100.0)]
+    lines = [
+        {"step": s, "val_loss": loss, "val_bpb": loss * 1.5, "train_time_s": t}
+        for s, loss, t in evals
+    ]
+    for line, stages in zip(lines[1:], drift or (), strict=False):
+        line[DRIFT] = stages
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if finished:
+        summary = {"final_val_loss": final, "final_val_bpb": final * 1.5, "train_s": 100.0}
+        (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
