@@ -29,6 +29,16 @@ SMALL = [
     "lr=3e-3",
     "warmup_steps=2",
 ]
+# 4 experts of width 32, 2 per token and a shared one, on blocks 1-3 (block 0 stays dense),
+# bias balancing on and fast enough to change the routing within a few steps
+MOE = [
+    "moe_experts=4",
+    "moe_top_k=2",
+    "moe_d_ff=32",
+    "moe_shared_experts=1",
+    "moe_layers=[1, 2, 3]",
+    "moe_bias_rate=0.01",
+]
 # A case that repeats a path another case of `make test` already runs (another optimizer, another
 # schedule of the same family): `make test` leaves it out, `make test-all` runs it.
 EXTENDED = pytest.mark.extended
