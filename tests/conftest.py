@@ -9,7 +9,7 @@ import pytest
 
 from nobubble.faults.inject import stop_writes
 from nobubble.model.presets import PRESETS, ModelConfig
-from tests.pipeline_helpers import SMALL, env, train_command
+from tests.helpers.pipeline import SMALL, env, train_command
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from nobubble.config import ConfigError
 from nobubble.configure import asks_for_auto, build_config
 from nobubble.corrections.auto import CHOICES, choose
 from nobubble.corrections.registry import REGISTRY, chosen
-from tests.pipeline_helpers import SMALL
+from tests.helpers.pipeline import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = {

@@ -30,13 +30,13 @@ from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.stage_update import build_stage_optimizer
-from tests.helpers.runs import CONSTANT, assert_close_runs, launch, resume, train
-from tests.pipeline_helpers import (
+from tests.helpers.pipeline import (
     EXTENDED,
     assert_same_run,
     nobubble,
     snapshot,
 )
+from tests.helpers.runs import CONSTANT, assert_close_runs, launch, resume, train
 
 MODEL = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "seq_len": 32}
 SPLITS = {"whole": 1, "2 stages": 2, "3 stages": 3}

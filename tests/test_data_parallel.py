@@ -24,13 +24,13 @@ import pytest
 from nobubble.config import ConfigError
 from nobubble.configure import build_config
 from nobubble.faults.inject import workers
-from tests.helpers.runs import LONG, assert_close_runs, stage_reports, steps_logged, wait_until
-from tests.pipeline_helpers import (
+from tests.helpers.pipeline import (
     EXTENDED,
     assert_same_run,
     nobubble,
     run_train,
 )
+from tests.helpers.runs import LONG, assert_close_runs, stage_reports, steps_logged, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from nobubble.faults.inject import workers
+from tests.helpers.pipeline import SMALL, assert_same_run, env, nobubble, train_command
 from tests.helpers.runs import LONG, steps_logged, wait_until
-from tests.pipeline_helpers import SMALL, assert_same_run, env, nobubble, train_command
 
 pytestmark = pytest.mark.slow
 

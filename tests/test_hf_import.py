@@ -28,8 +28,8 @@ from nobubble.model.partition import TIED_WEIGHT
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.runfolder.reading import saved_config
+from tests.helpers.pipeline import SMALL, metrics, nobubble
 from tests.helpers.runs import train
-from tests.pipeline_helpers import SMALL, metrics, nobubble
 
 ATOL = 1e-5
 # SMALL's shape (d_model 32, 4 blocks, 4 heads, 2 key/value heads, d_ff 64), byte vocabulary

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nobubble.cli import main
-from tests.pipeline_helpers import EXTENDED, MOE, assert_same_run, metrics, nobubble, run_train
+from tests.helpers.pipeline import EXTENDED, MOE, assert_same_run, metrics, nobubble, run_train
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from nobubble.model.layers import build_model
 from nobubble.one_process import OneProcessEngine
 from nobubble.stage_update import build_stage_optimizer
 from tests.helpers.loops import plain_step
-from tests.pipeline_helpers import SMALL, metrics
+from tests.helpers.pipeline import SMALL, metrics
 
 STEPS = 5
 

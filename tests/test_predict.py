@@ -15,9 +15,9 @@ from nobubble.configure import build_config
 from nobubble.one_process import DelayedTrainer
 from nobubble.runfolder.folder import run_name
 from nobubble.schedules.registry import schedule_spec
+from tests.helpers.pipeline import assert_same_run, losses
 from tests.helpers.quadratic import adamw_update, column, run_steps, scalar_trainer
 from tests.helpers.runs import cut_back_to, resume, train
-from tests.pipeline_helpers import assert_same_run, losses
 
 
 def points_seen(trainer: DelayedTrainer) -> list[list[float]]:

@@ -17,7 +17,7 @@ import torch
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.pipeline import process_group
-from tests.pipeline_helpers import env, nobubble
+from tests.helpers.pipeline import env, nobubble
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 

@@ -12,7 +12,7 @@ from nobubble.cli import main
 from nobubble.config import ConfigError, TrainConfig, profile_range
 from nobubble.profiling import StepProfiler, action_label, free_path, label, steps_to_trace
 from nobubble.schedules import Action, ActionKind
-from tests.pipeline_helpers import SMALL, assert_same_run, nobubble
+from tests.helpers.pipeline import SMALL, assert_same_run, nobubble
 
 # Two microbatches a step: step n (from 1) runs microbatches 2n-2 and 2n-1.
 SETTINGS = [*SMALL, "schedule=2bw", "stages=2", "microbatches=2", "eval_every=0"]

@@ -25,8 +25,8 @@ from nobubble.staleness import (
     SYNC_STEP_ERROR,
 )
 from tests.helpers.commands import call
+from tests.helpers.pipeline import SMALL
 from tests.helpers.runs import make_run
-from tests.pipeline_helpers import SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -11,8 +11,8 @@ import pytest
 
 from nobubble.checkpoint.files import verify_checkpoint
 from nobubble.one_process import OneProcessEngine
+from tests.helpers.pipeline import assert_same_run, metrics, snapshot
 from tests.helpers.runs import cut_back_to, resume, train
-from tests.pipeline_helpers import assert_same_run, metrics, snapshot
 
 RUNS = {
     "sync": ["schedule=sync"],

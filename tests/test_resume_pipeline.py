@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.pipeline_helpers import SMALL, env, nobubble, snapshot, train_command
+from tests.helpers.pipeline import SMALL, env, nobubble, snapshot, train_command
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError
 from nobubble.sweeping.planned import PlannedRun, Status
 from tests.helpers.commands import call, last_line
+from tests.helpers.pipeline import snapshot
 from tests.helpers.sweeps import TOY_GRID
-from tests.pipeline_helpers import snapshot
 
 
 def tally(done: int, skipped: int, failed: int = 0) -> str:

@@ -24,8 +24,8 @@ from nobubble.one_process import DelayedTrainer, OneProcessEngine
 from nobubble.optim.lr_schedule import lr_at, set_lr
 from nobubble.optim.registry import build_optimizer
 from tests.helpers.loops import plain_step
+from tests.helpers.pipeline import assert_same_run, losses, nobubble
 from tests.helpers.runs import CONSTANT, assert_close_runs, launch, resume, train
-from tests.pipeline_helpers import assert_same_run, losses, nobubble
 
 # -- the rule, by hand ---------------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ import json
 
 import pytest
 
+from tests.helpers.pipeline import EXTENDED, final_weights, nobubble
 from tests.helpers.runs import assert_close_runs, launch, stage_reports
-from tests.pipeline_helpers import EXTENDED, final_weights, nobubble
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 from nobubble.cli import main
 from nobubble.config import TrainConfig
 from nobubble.staleness import DRIFT
-from tests.pipeline_helpers import SMALL, final_weights, losses, run_train
+from tests.helpers.pipeline import SMALL, final_weights, losses, run_train
 
 CONSTANT = ["lr_schedule=constant", "eval_every=3"]  # a run cut at 3 steps continues to 6
 

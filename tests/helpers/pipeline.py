@@ -13,7 +13,7 @@ import torch
 
 from nobubble.checkpoint.files import newest_weights
 from nobubble.staleness import DRIFT
-from tests.launcher import run_nobubble
+from tests.helpers.launcher import run_nobubble
 
 # A model and data small enough for 4 processes on 2 cores, big enough to have 4 blocks.
 SMALL = [
@@ -74,8 +74,8 @@ def nobubble(out: Path, *args: str, stages: int = 0, timeout: int = 300, check: 
 
 def run_train(*args: str, stages: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
     """``nobubble train ARGS``, finished: one process, or ``stages`` with torchrun's environment,
-    forked from the tests' preloaded server (:mod:`tests.launcher`). The tests of torchrun itself
-    launch it with :func:`train_command`."""
+    forked from the tests' preloaded server (:mod:`tests.helpers.launcher`). The tests of
+    torchrun itself launch it with :func:`train_command`."""
     return run_nobubble(["train", "--no-progress", *args], stages, timeout, env())
 
 
