@@ -2,6 +2,7 @@
 (the simulator's one optimizer, any pipeline split), exactly; what cannot move is refused."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -29,6 +30,7 @@ from nobubble.model.partition import partition, stage_parameter_names
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.optim.registry import OPTIMIZERS
+from nobubble.runfolder.resume import WHY_NOT
 from nobubble.stage_update import build_stage_optimizer
 from tests.helpers.pipeline import (
     EXTENDED,
@@ -179,8 +181,10 @@ def test_pipedream_across_a_changed_stage_split_is_refused(tmp_path, capsys):
     for change in (["stages=3"], ["stage_layers=[1,3]"]):
         assert resume(tmp_path / "r", *change, "steps=3") == 2
         err = capsys.readouterr().err
-        assert "under pipedream a stage's gradient delay depends on its place" in err
-        assert "Keep the run's stage split (stages=2" in err
+        # the schedule, a stage's delay that would change, and the split to keep
+        old, new = re.search(r"under pipedream .* from delay (\d+) to (\d+)", err).groups()
+        assert old != new
+        assert "stages=2" in err
         assert "Traceback" not in err
     assert snapshot(tmp_path) == before
 
@@ -189,7 +193,9 @@ def test_a_changed_schedule_is_refused_naming_why(tmp_path, capsys):
     assert train(tmp_path / "r", "schedule=2bw", "steps=2") == 0
     assert resume(tmp_path / "r", "schedule=sync", "steps=3") == 2
     err = capsys.readouterr().err
-    assert "schedule cannot change within a run (the schedule fixes every stage's gradient" in err
+    assert "schedule='sync'" in err and "schedule='2bw'" in err  # the change and the saved value
+    assert WHY_NOT["schedule"] in err  # why it cannot change
+    assert "--out" in err  # the fix: a new run
 
 
 def _rewrite_as_format_1(run, step: int) -> None:

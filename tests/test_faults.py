@@ -92,7 +92,8 @@ def test_non_finite_gradients_abort_after_the_patience(tmp_path, stages):
 def test_a_world_size_that_does_not_match_the_stages_fails_before_any_work(tmp_path):
     result = nobubble(tmp_path / "r", "stages=3", stages=2, check=False)
     assert result.returncode != 0
-    assert "torchrun started 2 processes but the config asks for stages=3" in result.stderr
+    assert "2 processes" in result.stderr and "stages=3" in result.stderr
+    assert "--nproc-per-node 3" in result.stderr  # the launch that fits
     assert not (tmp_path / "r").exists()
 
 
@@ -223,7 +224,7 @@ def test_a_stage_that_stops_answering_shows_where_the_leader_was_in_the_schedule
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "nobubble: error: stage 0 gave up waiting for " in output, output
-    assert "stage 1 is stuck or died, see its log; raise p2p_timeout_s if it is only slow" in output
+    assert "stage 1 is stuck or died" in output and "p2p_timeout_s" in output  # who; the setting
     action, marked = marked_action(output, "stage 0")
     if action.startswith("SEND"):  # marked at the end of the compute it sends the result of
         assert marked
