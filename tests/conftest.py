@@ -1,4 +1,7 @@
 import dataclasses
+import os
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -6,6 +9,7 @@ import pytest
 
 from nobubble.faults.inject import stop_writes
 from nobubble.model.presets import PRESETS, ModelConfig
+from tests.helpers.pipeline import SMALL, env, train_command
 
 
 @pytest.fixture
@@ -48,3 +52,34 @@ def unwritable(tmp_path, lock_writes) -> Path:
     folder = tmp_path / "read-only"
     folder.mkdir()
     return lock_writes(folder)
+
+
+@pytest.fixture
+def in_background() -> Iterator[Callable[..., subprocess.Popen]]:
+    """``in_background(out, *args, stages=0, torchrun_args=())``: start ``nobubble train`` with
+    the small settings into ``out`` and return at once, in a process group of its own (output
+    merged on stdout); whatever is still running when the test ends is killed."""
+    launched: list[subprocess.Popen] = []
+
+    def start(
+        out: Path, *args: str, stages: int = 0, torchrun_args: tuple[str, ...] = ()
+    ) -> subprocess.Popen:
+        command = train_command(
+            "--out", str(out), *SMALL, *args, stages=stages, torchrun_args=torchrun_args
+        )
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env(),
+            start_new_session=True,
+        )
+        launched.append(proc)
+        return proc
+
+    yield start
+    for proc in launched:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

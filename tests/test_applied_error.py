@@ -24,8 +24,8 @@ from nobubble.staleness import (
     applied_error,
 )
 from nobubble.tracking import scalars_of
-from tests.pipeline_helpers import SMALL, assert_same_run
-from tests.quadratic_toy import LR, quadratic_grad, quadratic_trainer
+from tests.helpers.pipeline import SMALL, assert_same_run
+from tests.helpers.quadratic import LR, quadratic_grad, quadratic_trainer
 
 
 def _by_hand(applied: list[float], fresh: list[float]) -> tuple[float, float]:

@@ -2,6 +2,7 @@
 (the simulator's one optimizer, any pipeline split), exactly; what cannot move is refused."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -23,23 +24,21 @@ from nobubble.checkpoint.named_state import (
     load_named_state,
     named_state,
 )
-from nobubble.cli import main
 from nobubble.configure import build_config
 from nobubble.model.layers import build_model
 from nobubble.model.partition import partition, stage_parameter_names
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.optim.registry import OPTIMIZERS
+from nobubble.runfolder.resume import WHY_NOT
 from nobubble.stage_update import build_stage_optimizer
-from tests.pipeline_helpers import (
+from tests.helpers.pipeline import (
     EXTENDED,
-    SMALL,
     assert_same_run,
     nobubble,
-    run_train,
     snapshot,
 )
-from tests.test_data_parallel import assert_close_runs
+from tests.helpers.runs import CONSTANT, assert_close_runs, launch, resume, train
 
 MODEL = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "seq_len": 32}
 SPLITS = {"whole": 1, "2 stages": 2, "3 stages": 3}
@@ -158,17 +157,6 @@ def test_group_state_that_disagrees_between_shards_is_refused():
 # -- whole runs in one process ----------------------------------------------------------------
 
 
-def train(out, *args: str) -> int:
-    return main(["train", "--no-progress", "--out", str(out), *SMALL, *args])
-
-
-def resume(run, *args: str) -> int:
-    return main(["train", "--no-progress", "--resume", str(run), *args])
-
-
-CONSTANT = ["lr_schedule=constant", "eval_every=3"]  # a run cut at 3 steps continues to 6
-
-
 def test_a_new_stage_split_continues_exactly_in_the_simulator(tmp_path):
     """2bw: every stage holds versions t-1 and t, whatever the split. Without clipping (the only
     per-stage rule) a 2-stage and a 4-stage run are the same run."""
@@ -193,8 +181,10 @@ def test_pipedream_across_a_changed_stage_split_is_refused(tmp_path, capsys):
     for change in (["stages=3"], ["stage_layers=[1,3]"]):
         assert resume(tmp_path / "r", *change, "steps=3") == 2
         err = capsys.readouterr().err
-        assert "under pipedream a stage's gradient delay depends on its place" in err
-        assert "Keep the run's stage split (stages=2" in err
+        # the schedule, a stage's delay that would change, and the split to keep
+        old, new = re.search(r"under pipedream .* from delay (\d+) to (\d+)", err).groups()
+        assert old != new
+        assert "stages=2" in err
         assert "Traceback" not in err
     assert snapshot(tmp_path) == before
 
@@ -203,7 +193,9 @@ def test_a_changed_schedule_is_refused_naming_why(tmp_path, capsys):
     assert train(tmp_path / "r", "schedule=2bw", "steps=2") == 0
     assert resume(tmp_path / "r", "schedule=sync", "steps=3") == 2
     err = capsys.readouterr().err
-    assert "schedule cannot change within a run (the schedule fixes every stage's gradient" in err
+    assert "schedule='sync'" in err and "schedule='2bw'" in err  # the change and the saved value
+    assert WHY_NOT["schedule"] in err  # why it cannot change
+    assert "--out" in err  # the fix: a new run
 
 
 def _rewrite_as_format_1(run, step: int) -> None:
@@ -254,11 +246,6 @@ def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path, capsys):
 
 
 # -- across launchers and stage counts (torchrun) -------------------------------------------------
-
-
-def launch(*args: str, stages: int) -> None:
-    done = run_train(*args, stages=stages, timeout=600)
-    assert done.returncode == 0, f"{' '.join(done.args)}:\n{done.stdout}\n{done.stderr}"
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ import pytest
 from nobubble.children import Identity, alive, descendants, identity, stopping
 from nobubble.cli import main
 from nobubble.interrupt import Interrupted
+from tests.helpers.runs import steps_logged, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 # A child that records each signal it gets and exits on it (the shell runs a trap between
@@ -39,14 +40,6 @@ trap '' TERM INT
 setsid sleep 600 &
 sleep 600
 """
-
-
-def wait_until(condition: Callable[[], object], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting")
-        time.sleep(0.05)
 
 
 def lines(path: Path) -> list[str]:
@@ -194,12 +187,6 @@ def launched() -> Iterator[Launched]:
     launched = Launched()
     yield launched
     launched.end()
-
-
-def steps_logged(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return max((row["step"] for row in rows if "train_loss" in row), default=0)
 
 
 def stop_while_training(

@@ -18,8 +18,8 @@ from nobubble.cli import build_parser, chosen_keys, main, warn_unused_settings, 
 from nobubble.config import FIELDS, ConfigError, NobubbleWarning, load_toml, parse_overrides
 from nobubble.configure import build_config
 from nobubble.settings_read import READ_WHEN, RunFacts, UnusedSettingWarning
-from tests.launcher import run_nobubble
-from tests.pipeline_helpers import SMALL, env
+from tests.helpers.launcher import run_nobubble
+from tests.helpers.pipeline import SMALL, env
 
 
 def train(*args: str) -> int:

@@ -25,8 +25,7 @@ from nobubble.one_process import OneProcessEngine
 from nobubble.optim.lr_schedule import set_lr
 from nobubble.optim.registry import build_optimizer
 from nobubble.stage_update import build_stage_optimizer
-from tests.test_delay_exact import column, quadratic_trainer
-from tests.test_delay_exact import run as run_steps
+from tests.helpers.quadratic import column, run_steps, scalar_trainer
 
 A = (2.0, 0.5)  # curvatures
 W0 = (1.0, -2.0)
@@ -402,9 +401,9 @@ def _predicted_points(weights: list[float], t: int) -> float:
 
 
 def test_nesterov_and_spike_combine_with_predict():
-    """One scalar, f = ½·w², lr 0.5 (tests/test_delay_exact.py): the gradient is ŵ[t]."""
+    """One scalar, f = ½·w², lr 0.5 (tests/helpers/quadratic.py): the gradient is ŵ[t]."""
     gamma = 0.5
-    trainer = quadratic_trainer(
+    trainer = scalar_trainer(
         [1], correction="nesterov+predict", nesterov_gamma=gamma, schedule="2bw"
     )
     weights, u = [1.0], 0.0
@@ -415,7 +414,7 @@ def test_nesterov_and_spike_combine_with_predict():
     assert column(run_steps(trainer, 5), 0) == pytest.approx(weights, rel=1e-12, abs=1e-12)
 
     b1, b2, eps = 0.9, 0.95, 1e-8  # the defaults; a = β1^1 under 2bw
-    trainer = quadratic_trainer([1], optim="adamw", correction="spike+predict", schedule="2bw")
+    trainer = scalar_trainer([1], optim="adamw", correction="spike+predict", schedule="2bw")
     weights, m, v = [1.0], 0.0, 0.0
     for t in range(1, 6):
         g = _predicted_points(weights, t - 1)

@@ -25,7 +25,7 @@ from nobubble.hf.convert import hf_config, hf_name, parameter_shapes
 from nobubble.model.resolve import model_config
 from nobubble.runfolder.reading import saved_config
 from nobubble.sweeping.planned import PlannedRun, Status
-from tests.pipeline_helpers import snapshot
+from tests.helpers.pipeline import snapshot
 
 TINY = [
     *("d_model=32", "n_layers=2", "n_heads=2", "n_kv_heads=1", "d_ff=64", "seq_len=32"),

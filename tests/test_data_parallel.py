@@ -16,7 +16,6 @@ bitwise: the replicas of a stage hold identical weights at the end (their all-re
 the same bytes).
 """
 
-import json
 import os
 import signal
 
@@ -25,44 +24,15 @@ import pytest
 from nobubble.config import ConfigError
 from nobubble.configure import build_config
 from nobubble.faults.inject import workers
-from tests.pipeline_helpers import (
+from tests.helpers.pipeline import (
     EXTENDED,
     assert_same_run,
-    final_weights,
-    losses,
     nobubble,
     run_train,
 )
-from tests.test_faults import (  # reap_process_groups: an autouse fixture, active here too
-    LONG,
-    launch,
-    reap_process_groups,  # noqa: F401
-    steps_logged,
-    wait_until,
-)
+from tests.helpers.runs import LONG, assert_close_runs, stage_reports, steps_logged, wait_until
 
 pytestmark = pytest.mark.slow
-
-# by the dtype that rounds the update: float32, or Muon's Newton–Schulz in bfloat16
-TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (1e-4, 1e-3)}  # (losses: rel, weights: abs)
-
-
-def assert_close_runs(a, b) -> None:
-    rounding = json.loads((a / "summary.json").read_text()).get("muon_ns_dtype", "float32")
-    loss_rtol, weight_atol = TOLERANCE[rounding]
-    (train_a, val_a), (train_b, val_b) = losses(a), losses(b)
-    assert train_a == pytest.approx(train_b, rel=loss_rtol)
-    assert val_a == pytest.approx(val_b, rel=loss_rtol)
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        gap = (wa[name] - wb[name]).abs().max().item()
-        assert gap <= weight_atol, f"{name} differs by {gap}"
-
-
-def stage_reports(run) -> list[dict]:
-    return json.loads((run / "summary.json").read_text())["stages"]
-
 
 CASES = [
     # (stages, schedule, microbatches, extra settings)
@@ -113,12 +83,14 @@ def test_a_launch_of_the_wrong_size_says_how_many_processes_to_start(tmp_path):
     assert "--nproc-per-node 4" in result.stderr
 
 
-def test_a_signal_to_one_rank_of_another_replica_stops_every_rank_and_resume_is_exact(tmp_path):
+def test_a_signal_to_one_rank_of_another_replica_stops_every_rank_and_resume_is_exact(
+    tmp_path, in_background
+):
     """SIGTERM to stage 1 of replica 1 alone (one node of a job preempted): its vote reaches the
     leader, every rank stops after the same step, and the resumed run continues bitwise."""
     settings = [*LONG, "steps=60", "eval_every=30", "schedule=2bw", "stages=2", "dp=2"]
     settings += ["microbatches=2"]
-    proc = launch(tmp_path / "cut", *settings, stages=4)
+    proc = in_background(tmp_path / "cut", *settings, stages=4)
     wait_until(lambda: steps_logged(tmp_path / "cut") >= 25)
     os.kill(workers(proc.pid)[3], signal.SIGTERM)
     output, _ = proc.communicate(timeout=600)

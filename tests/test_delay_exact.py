@@ -4,48 +4,12 @@ Each "stage" owns one scalar parameter with loss 0.5·w², so its gradient is w 
 value below can be checked with pencil and paper.
 """
 
-import math
-
 import pytest
 import torch
 
-from nobubble.config import TrainConfig
-from nobubble.one_process import DelayedTrainer
 from nobubble.schedules.registry import schedule_spec
 from nobubble.versions import gradient_version
-
-
-def quadratic_trainer(delays: list[int], optim: str = "sgd", **overrides) -> DelayedTrainer:
-    cfg = TrainConfig(
-        optim=optim,
-        lr=0.5,
-        momentum=0.0,
-        nesterov=False,
-        weight_decay=0.0,
-        warmup_steps=0,
-        lr_schedule="constant",
-        grad_clip=0.0,
-        **overrides,
-    )
-    params = [{f"w{s}": torch.nn.Parameter(torch.ones(1, dtype=torch.float64))} for s in delays]
-
-    def micro_loss(weights, micro):
-        return sum(0.5 * (w * w).sum() for w in weights.values())
-
-    return DelayedTrainer(params, delays, micro_loss, cfg)
-
-
-def run(trainer: DelayedTrainer, steps: int) -> list[list[float]]:
-    """Weights of every stage after each step, starting with the initial ones."""
-    history = [[store.params[n].item() for store in trainer.stores for n in store.params]]
-    for _ in range(steps):
-        trainer.train_step([torch.zeros(1)])
-        history.append([store.params[n].item() for store in trainer.stores for n in store.params])
-    return history
-
-
-def column(history: list[list[float]], stage: int) -> list[float]:
-    return [row[stage] for row in history]
+from tests.helpers.quadratic import adamw_update, column, run_steps, scalar_trainer
 
 
 def test_delay_profiles():
@@ -58,17 +22,17 @@ def test_delay_profiles():
 
 def test_sgd_sync_halves_the_weight_each_step():
     # w[t+1] = w[t] - 0.5·w[t]
-    assert column(run(quadratic_trainer([0]), 3), 0) == [1.0, 0.5, 0.25, 0.125]
+    assert column(run_steps(scalar_trainer([0]), 3), 0) == [1.0, 0.5, 0.25, 0.125]
 
 
 def test_sgd_2bw_uses_the_gradient_of_the_previous_weights():
     # w[t+1] = w[t] - 0.5·w[t-1], w[-1] = w[0] = 1
     # w1 = 1 - 0.5 = 0.5; w2 = 0.5 - 0.5·1 = 0; w3 = 0 - 0.5·0.5 = -0.25; w4 = -0.25 - 0 = -0.25
-    assert column(run(quadratic_trainer([1]), 4), 0) == [1.0, 0.5, 0.0, -0.25, -0.25]
+    assert column(run_steps(scalar_trainer([1]), 4), 0) == [1.0, 0.5, 0.0, -0.25, -0.25]
 
 
 def test_pipedream_gives_stage_s_a_delay_of_p_minus_1_minus_s():
-    history = run(quadratic_trainer(schedule_spec("pipedream").delays(3)), 5)
+    history = run_steps(scalar_trainer(schedule_spec("pipedream").delays(3)), 5)
     # delay 2: w[t+1] = w[t] - 0.5·w[t-2]: 1, .5, 0, -.5, -.75, -.75
     assert column(history, 0) == [1.0, 0.5, 0.0, -0.5, -0.75, -0.75]
     # delay 1 (as 2bw) and delay 0 (as sync)
@@ -79,28 +43,21 @@ def test_pipedream_gives_stage_s_a_delay_of_p_minus_1_minus_s():
 def test_error_feedback_on_sgd_sync():
     # Δ[t] = 0.5·w[t]; w[t+1] = w[t] - Δ[t] - (Δ[t] - Δ[t-1]), Δ[-1] = 0
     # w1 = 1 - .5 - .5 = 0; Δ1 = 0: w2 = 0 - 0 - (0 - .5) = .5; Δ2 = .25: w3 = .5 - .25 - .25 = 0
-    assert column(run(quadratic_trainer([0], ef=True), 3), 0) == [1.0, 0.0, 0.5, 0.0]
+    assert column(run_steps(scalar_trainer([0], ef=True), 3), 0) == [1.0, 0.0, 0.5, 0.0]
 
 
 def test_error_feedback_with_gamma_on_sgd_2bw():
     # Δ[t] = 0.5·w[t-1]; w[t+1] = w[t] - Δ[t] - 0.5·(Δ[t] - Δ[t-1])
     # Δ0 = .5: w1 = 1 - .5 - .25 = .25; Δ1 = .5: w2 = .25 - .5 - 0 = -.25
     # Δ2 = .5·w1 = .125: w3 = -.25 - .125 - .5·(.125 - .5) = -.1875
-    got = column(run(quadratic_trainer([1], ef=True, ef_gamma=0.5), 3), 0)
+    got = column(run_steps(scalar_trainer([1], ef=True, ef_gamma=0.5), 3), 0)
     assert got == [1.0, 0.25, -0.25, -0.1875]
-
-
-def adamw_update(m: float, v: float, g: float, t: int, b1=0.9, b2=0.95, eps=1e-8, lr=0.5):
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    step = lr * (m / (1 - b1**t)) / (math.sqrt(v / (1 - b2**t)) + eps)
-    return m, v, step
 
 
 @pytest.mark.parametrize("delay", [0, 1])
 def test_adamw_state_is_built_from_the_stale_gradients(delay):
-    trainer = quadratic_trainer([delay], optim="adamw")
-    got = column(run(trainer, 3), 0)
+    trainer = scalar_trainer([delay], optim="adamw")
+    got = column(run_steps(trainer, 3), 0)
     weights, m, v = [1.0], 0.0, 0.0
     for t in range(3):
         g = weights[max(t - delay, 0)]  # gradient of 0.5·w² at the version used
@@ -112,7 +69,7 @@ def test_adamw_state_is_built_from_the_stale_gradients(delay):
 
 
 def test_versions_held_are_exactly_what_the_delay_needs():
-    trainer = quadratic_trainer(schedule_spec("pipedream").delays(3))
+    trainer = scalar_trainer(schedule_spec("pipedream").delays(3))
     for _ in range(5):
         trainer.train_step([torch.zeros(1)])
     # stage s keeps d_s old versions plus the newest one

@@ -10,7 +10,7 @@ import pytest
 
 from nobubble.config import ConfigError
 from nobubble.destinations import check_output_file, check_output_folder, make_output_folder
-from tests.pipeline_helpers import snapshot
+from tests.helpers.pipeline import snapshot
 
 
 def refusal(check, path: Path | str, **options) -> str:

@@ -18,7 +18,7 @@ from nobubble.downstream import harness
 from nobubble.downstream.harness import DownstreamError
 from nobubble.json_files import DamagedFile
 from nobubble.runfolder.scores import Column, latest_scores, write_scores
-from tests.test_report import make_run
+from tests.helpers.runs import make_run
 
 TASKS = Path(__file__).parent / "data" / "lm_eval_tasks"
 TASK = "nobubble_tiny_qa"

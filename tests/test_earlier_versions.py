@@ -13,8 +13,8 @@ from pathlib import Path
 
 from nobubble.configure import build_config
 from nobubble.runfolder.reading import saved_config
-from tests.pipeline_helpers import metrics
-from tests.test_resume import resume
+from tests.helpers.pipeline import metrics
+from tests.helpers.runs import resume
 
 V2_RUN = Path(__file__).parent / "data" / "v2_run"
 

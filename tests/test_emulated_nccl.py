@@ -20,8 +20,7 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from tests.pipeline_helpers import EXTENDED, assert_same_run, nobubble
-from tests.test_moe_pipeline import MOE
+from tests.helpers.pipeline import EXTENDED, MOE, assert_same_run, nobubble
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from nobubble.data.english import (
     main,
     pack,
 )
-from tests.pipeline_helpers import nobubble
+from tests.helpers.pipeline import nobubble
 
 _B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 DICTD = {s.name for s in SOURCES if s.kind == "dictd"}

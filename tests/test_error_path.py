@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline_helpers import SMALL, env
+from tests.helpers.pipeline import SMALL, env
 
 pytestmark = pytest.mark.slow
 

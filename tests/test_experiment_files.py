@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from nobubble.sweeping import cli as sweep
-from tests.test_sweep import TOY_GRID, call, last_line
+from tests.helpers.commands import call, last_line
+from tests.helpers.sweeps import TOY_GRID
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 RECORDS = EXPERIMENTS / "run_records.sh"

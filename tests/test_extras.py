@@ -13,8 +13,8 @@ import pytest
 
 from nobubble.cli import main
 from nobubble.config.extras import EXTRAS, MissingExtra, require
-from tests.pipeline_helpers import SMALL, env
-from tests.test_report import make_run
+from tests.helpers.pipeline import SMALL, env
+from tests.helpers.runs import make_run
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
 

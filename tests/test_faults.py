@@ -5,66 +5,16 @@ import os
 import re
 import signal
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
 
 from nobubble.faults.inject import workers
-from tests.pipeline_helpers import SMALL, assert_same_run, env, nobubble, train_command
+from tests.helpers.pipeline import SMALL, assert_same_run, env, nobubble, train_command
+from tests.helpers.runs import LONG, steps_logged, wait_until
 
 pytestmark = pytest.mark.slow
 
-# Long enough (a few seconds) that a signal lands in the middle of training.
-LONG = ["steps=150", "batch_size=32", "eval_every=50", "checkpoint_every=20", "keep_checkpoints=10"]
 PIPE = ["schedule=2bw", "ef=true", "stages=2", "microbatches=2"]
-
-
-@pytest.fixture(autouse=True)
-def reap_process_groups():
-    """Kill whatever a failed test left running (each launch has its own process group)."""
-    yield
-    for proc in LAUNCHED:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    LAUNCHED.clear()
-
-
-LAUNCHED: list[subprocess.Popen] = []
-
-
-def launch(out: Path, *args: str, stages: int = 0, torchrun_args: tuple[str, ...] = ()):
-    """Start training in the background, in a process group of its own."""
-    command = train_command(
-        "--out", str(out), *SMALL, *args, stages=stages, torchrun_args=torchrun_args
-    )
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env(),
-        start_new_session=True,
-    )
-    LAUNCHED.append(proc)
-    return proc
-
-
-def wait_until(condition, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the run to get there")
-        time.sleep(0.05)
-
-
-def steps_logged(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return max((r["step"] for r in lines if "train_loss" in r), default=0)
 
 
 # make test sends the signal to torchrun (as a scheduler does); the one-process engine's stop
@@ -78,11 +28,13 @@ SIGNALLED = [
 
 
 @pytest.mark.parametrize(("stages", "target"), SIGNALLED)
-def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages, target):
+def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(
+    tmp_path, in_background, stages, target
+):
     """torchrun forwards a signal to every stage; one sent to the last stage alone (as when one
     node of a job is preempted) reaches rank 0 as that stage's stop vote."""
     settings = [*LONG, *(PIPE if stages else ["schedule=2bw", "ef=true", "microbatches=2"])]
-    proc = launch(tmp_path / "cut", *settings, stages=stages)
+    proc = in_background(tmp_path / "cut", *settings, stages=stages)
     wait_until(lambda: steps_logged(tmp_path / "cut") >= 25)
     os.kill(workers(proc.pid)[1] if target == "last stage only" else proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=600)
@@ -104,9 +56,9 @@ def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(tmp_path, stages, 
     assert_same_run(tmp_path / "full", tmp_path / "cut")
 
 
-def test_a_killed_stage_restarts_and_finishes_with_the_same_weights(tmp_path):
+def test_a_killed_stage_restarts_and_finishes_with_the_same_weights(tmp_path, in_background):
     settings = [*LONG, *PIPE]
-    proc = launch(tmp_path / "cut", *settings, stages=2, torchrun_args=("--max-restarts=1",))
+    proc = in_background(tmp_path / "cut", *settings, stages=2, torchrun_args=("--max-restarts=1",))
     wait_until(lambda: any((tmp_path / "cut" / "checkpoints").glob("step_*/manifest.json")))
     ranks = workers(proc.pid)
     assert set(ranks) == {0, 1}, ranks
@@ -140,7 +92,8 @@ def test_non_finite_gradients_abort_after_the_patience(tmp_path, stages):
 def test_a_world_size_that_does_not_match_the_stages_fails_before_any_work(tmp_path):
     result = nobubble(tmp_path / "r", "stages=3", stages=2, check=False)
     assert result.returncode != 0
-    assert "torchrun started 2 processes but the config asks for stages=3" in result.stderr
+    assert "2 processes" in result.stderr and "stages=3" in result.stderr
+    assert "--nproc-per-node 3" in result.stderr  # the launch that fits
     assert not (tmp_path / "r").exists()
 
 
@@ -256,11 +209,13 @@ def expected_mark(action: str) -> str:
     return f"{kind}{microbatch}v{version}"
 
 
-def test_a_stage_that_stops_answering_shows_where_the_leader_was_in_the_schedule(tmp_path):
+def test_a_stage_that_stops_answering_shows_where_the_leader_was_in_the_schedule(
+    tmp_path, in_background
+):
     """The last stage stops (SIGSTOP) mid-run: the leader gives up on it after p2p_timeout_s
     with the error it always gave (a peer failure, one line of the command's error), and below
     it the schedule around the action it was at, that action marked."""
-    proc = launch(tmp_path / "r", *LONG, *PIPE, "p2p_timeout_s=20", stages=2)
+    proc = in_background(tmp_path / "r", *LONG, *PIPE, "p2p_timeout_s=20", stages=2)
     wait_until(lambda: steps_logged(tmp_path / "r") >= 5)
     stuck = workers(proc.pid)[1]
     os.kill(stuck, signal.SIGSTOP)
@@ -269,7 +224,7 @@ def test_a_stage_that_stops_answering_shows_where_the_leader_was_in_the_schedule
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "nobubble: error: stage 0 gave up waiting for " in output, output
-    assert "stage 1 is stuck or died, see its log; raise p2p_timeout_s if it is only slow" in output
+    assert "stage 1 is stuck or died" in output and "p2p_timeout_s" in output  # who; the setting
     action, marked = marked_action(output, "stage 0")
     if action.startswith("SEND"):  # marked at the end of the compute it sends the result of
         assert marked

@@ -13,7 +13,7 @@ from nobubble.gpu_check.parity import Outcome, compare, parity, verdict
 from nobubble.gpu_check.plan import plan, skipped
 from nobubble.gpu_check.runs import BITWISE, CLOSE, EMULATED, REPEATS, TRAINING, CheckRun
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, schedule_spec
-from tests.pipeline_helpers import EXTENDED, nobubble
+from tests.helpers.pipeline import EXTENDED, nobubble
 
 
 def by_name(gpus: int) -> dict[str, CheckRun]:

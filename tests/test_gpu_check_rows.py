@@ -17,7 +17,7 @@ from nobubble.gpu_check.plan import plan, row, skipped, write_plan
 from nobubble.gpu_check.row import command, row_environment
 from nobubble.gpu_check.runs import AUDIT, BITWISE, CLOSE, SMOKE, THROUGHPUT, TIMEOUTS, CheckRun
 from nobubble.schedules import Action, ActionKind
-from tests.pipeline_helpers import env
+from tests.helpers.pipeline import env
 
 
 def by_name(gpus: int) -> dict[str, CheckRun]:

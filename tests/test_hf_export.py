@@ -30,7 +30,7 @@ from nobubble.model.partition import TIED_WEIGHT, partition, stage_parameter_nam
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.runfolder.reading import saved_config
-from tests.pipeline_helpers import snapshot
+from tests.helpers.pipeline import snapshot
 
 ATOL = 1e-5  # float32 logits; see the module docstring
 TEXTS = [

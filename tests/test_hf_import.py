@@ -28,7 +28,8 @@ from nobubble.model.partition import TIED_WEIGHT
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.runfolder.reading import saved_config
-from tests.pipeline_helpers import SMALL, metrics, nobubble
+from tests.helpers.pipeline import SMALL, metrics, nobubble
+from tests.helpers.runs import train
 
 ATOL = 1e-5
 # SMALL's shape (d_model 32, 4 blocks, 4 heads, 2 key/value heads, d_ff 64), byte vocabulary
@@ -132,10 +133,6 @@ def hf_val_loss(model, run: Path) -> float:
 
 def step0_val_loss(run: Path) -> float:
     return next(row["val_loss"] for row in metrics(run) if row["step"] == 0)
-
-
-def train(out: Path, *args: str) -> int:
-    return main(["train", "--no-progress", "--out", str(out), *SMALL, *args])
 
 
 def test_a_run_starts_from_init_from_and_a_resumed_run_ignores_it(llamas, tmp_path, capsys):

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launcher import run_nobubble
-from tests.pipeline_helpers import SMALL, env
+from tests.helpers.launcher import run_nobubble
+from tests.helpers.pipeline import SMALL, env
 
 COUNTS_DIR = "NOBUBBLE_TEST_SYNC_COUNTS"  # where each rank writes what it counted
 SYNCING = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")

@@ -7,20 +7,9 @@ import json
 import pytest
 
 from nobubble.cli import main
-from tests.pipeline_helpers import EXTENDED, assert_same_run, metrics, nobubble, run_train
+from tests.helpers.pipeline import EXTENDED, MOE, assert_same_run, metrics, nobubble, run_train
 
 pytestmark = pytest.mark.slow
-
-# 4 experts of width 32, 2 per token and a shared one, on blocks 1-3 (block 0 stays dense),
-# bias balancing on and fast enough to change the routing within a few steps
-MOE = [
-    "moe_experts=4",
-    "moe_top_k=2",
-    "moe_d_ff=32",
-    "moe_shared_experts=1",
-    "moe_layers=[1, 2, 3]",
-    "moe_bias_rate=0.01",
-]
 
 
 def routing(run) -> list[dict]:

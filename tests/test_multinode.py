@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline_helpers import SMALL, assert_same_run, env, nobubble
+from tests.helpers.pipeline import SMALL, assert_same_run, env, nobubble
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C
 
 from nobubble.cli import main
 from nobubble.optim.muon import Muon, ns_dtype, orthogonalize
-from tests.pipeline_helpers import SMALL
+from tests.helpers.pipeline import SMALL
 
 # phi(x) = a·x + b·x³ + c·x⁵, iterated five times, takes every x in [0.05, 1] into [0.6818, 1.1344],
 # an interval phi maps into itself (computed on a fine grid; the coefficients trade convergence to

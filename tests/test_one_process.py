@@ -9,11 +9,11 @@ import torch
 from nobubble.cli import main
 from nobubble.config import TrainConfig
 from nobubble.configure import resolve_config
-from nobubble.model.layers import build_model, lm_loss
+from nobubble.model.layers import build_model
 from nobubble.one_process import OneProcessEngine
-from nobubble.optim.lr_schedule import lr_at, set_lr
 from nobubble.stage_update import build_stage_optimizer
-from tests.pipeline_helpers import SMALL, metrics
+from tests.helpers.loops import plain_step
+from tests.helpers.pipeline import SMALL, metrics
 
 STEPS = 5
 
@@ -37,37 +37,6 @@ def run_engine(cfg, mc, data):
     feed = iter(data)
     engine.run_steps(len(data), lambda: next(feed), lambda s: losses.append(s.loss))
     return losses, engine.named_weights()
-
-
-def plain_step(
-    model, optimizer, batch, cfg, t, grad_model=None, stage_of=lambda name: 0, adjust=None
-):
-    """Gradient accumulation over M microbatches, clipping per stage (per ``stage_of`` key), one
-    optimizer step.
-
-    With ``grad_model`` the gradient is computed there (old weights) and applied to ``model``;
-    ``adjust(model)`` may change the gradients before the clip.
-    """
-    source = grad_model or model
-    total = 0.0
-    for micro in batch.chunk(cfg.microbatches):
-        loss = lm_loss(source(micro[:, :-1]), micro[:, 1:])
-        (loss / cfg.microbatches).backward()
-        total += loss.item()
-    if grad_model is not None:
-        for p, q in zip(model.parameters(), grad_model.parameters(), strict=True):
-            p.grad, q.grad = q.grad, None
-    if adjust is not None:
-        adjust(model)
-    stages: dict[int, list] = {}
-    for name, p in model.named_parameters():
-        stages.setdefault(stage_of(name), []).append(p)
-    for params in stages.values():
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    set_lr(optimizer, lr_at(t, cfg))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total / cfg.microbatches
 
 
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
@@ -157,7 +126,7 @@ def test_dp_in_one_process_says_it_is_the_same_run(tmp_path, capsys):
     args = [*SMALL, "steps=1", "eval_every=0", "batch_size=4", "microbatches=2"]
     assert main(["train", "--out", str(tmp_path / "dp2"), "--no-progress", *args, "dp=2"]) == 0
     err = capsys.readouterr().err
-    assert "dp=2 in one process: the one-process engine computes every microbatch whole" in err
+    assert "dp=2" in err and "torchrun" in err  # the setting, and how to split the work
     assert main(["train", "--out", str(tmp_path / "dp1"), "--no-progress", *args]) == 0
     assert "in one process" not in capsys.readouterr().err
     assert (

@@ -7,7 +7,7 @@ version changes the losses in the third decimal.
 
 import pytest
 
-from tests.pipeline_helpers import EXTENDED, assert_same_run, losses, nobubble
+from tests.helpers.pipeline import EXTENDED, assert_same_run, losses, nobubble
 
 pytestmark = pytest.mark.slow
 

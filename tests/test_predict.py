@@ -1,9 +1,9 @@
 """Weight prediction (correction=predict): hand-computed trajectories, no use of the future,
 the weights held, the pipeline against the simulator, checkpoints and resume.
 
-The hand cases reuse test_delay_exact's quadratics: each stage owns one scalar w with loss
-0.5·w², so the gradient is the point the step runs at, ŵ[t] = w[c] + d·(w[c] - w[c-1]) with
-c = max(t - d, 0) and w[-1] = w[0].
+The hand cases reuse the delay tests' quadratics (tests/helpers/quadratic.py): each stage owns
+one scalar w with loss 0.5·w², so the gradient is the point the step runs at,
+ŵ[t] = w[c] + d·(w[c] - w[c-1]) with c = max(t - d, 0) and w[-1] = w[0].
 """
 
 import pytest
@@ -15,9 +15,9 @@ from nobubble.configure import build_config
 from nobubble.one_process import DelayedTrainer
 from nobubble.runfolder.folder import run_name
 from nobubble.schedules.registry import schedule_spec
-from tests.pipeline_helpers import assert_same_run, losses
-from tests.test_delay_exact import adamw_update, column, quadratic_trainer, run
-from tests.test_resume import cut_back_to, resume, train
+from tests.helpers.pipeline import assert_same_run, losses
+from tests.helpers.quadratic import adamw_update, column, run_steps, scalar_trainer
+from tests.helpers.runs import cut_back_to, resume, train
 
 
 def points_seen(trainer: DelayedTrainer) -> list[list[float]]:
@@ -41,17 +41,17 @@ def test_sgd_2bw_runs_at_the_prediction_and_updates_the_true_weights():
     # t=3: ŵ = 2·0 - .5 = -.5    w4 = 0 + .25 = .25
     # t=4: ŵ = 2·0 - 0 = 0       w5 = .25
     # t=5: ŵ = 2·.25 - 0 = .5    w6 = .25 - .25 = 0
-    trainer = quadratic_trainer([1], correction="predict")
+    trainer = scalar_trainer([1], correction="predict")
     seen = points_seen(trainer)
-    assert column(run(trainer, 6), 0) == [1.0, 0.5, 0.0, 0.0, 0.25, 0.25, 0.0]
+    assert column(run_steps(trainer, 6), 0) == [1.0, 0.5, 0.0, 0.0, 0.25, 0.25, 0.0]
     assert column(seen, 0) == [1.0, 1.0, 0.0, -0.5, 0.0, 0.5]
     # plain 2bw runs at w[t-1]: 1, 1, .5, 0 (test_delay_exact)
 
 
 def test_pipedream_extrapolates_over_each_stage_delay():
-    trainer = quadratic_trainer(schedule_spec("pipedream").delays(3), correction="predict")
+    trainer = scalar_trainer(schedule_spec("pipedream").delays(3), correction="predict")
     seen = points_seen(trainer)
-    history = run(trainer, 5)
+    history = run_steps(trainer, 5)
     # delay 2: ŵ[t] = w[c] + 2·(w[c] - w[c-1]), c = t-2; w[t+1] = w[t] - 0.5·ŵ[t]
     # t=0,1,2: ŵ = w0 = 1: w = 1, .5, 0, -.5
     # t=3: ŵ = .5 + 2·(.5 - 1) = -.5: w4 = -.5 + .25 = -.25
@@ -64,9 +64,9 @@ def test_pipedream_extrapolates_over_each_stage_delay():
 
 
 def test_adamw_2bw_takes_the_gradient_at_the_prediction():
-    trainer = quadratic_trainer([1], optim="adamw", correction="predict")
+    trainer = scalar_trainer([1], optim="adamw", correction="predict")
     seen = points_seen(trainer)
-    got = column(run(trainer, 5), 0)
+    got = column(run_steps(trainer, 5), 0)
     weights, points, m, v = [1.0], [], 0.0, 0.0
     for t in range(5):
         newer, older = weights[max(t - 1, 0)], weights[max(t - 2, 0)]
@@ -85,16 +85,16 @@ def test_ef_changes_the_update_and_prediction_the_point():
     # t=1: ŵ = w0 = 1, Δ = .5:         w2 = 0 - .5 - 0 = -.5
     # t=2: ŵ = 2·0 - 1 = -1, Δ = -.5:  w3 = -.5 + .5 - (-.5 - .5) = 1
     # t=3: ŵ = 2·(-.5) - 0 = -1, Δ = -.5: w4 = 1 + .5 - 0 = 1.5
-    trainer = quadratic_trainer([1], correction="ef+predict")
+    trainer = scalar_trainer([1], correction="ef+predict")
     seen = points_seen(trainer)
-    assert column(run(trainer, 4), 0) == [1.0, 0.0, -0.5, 1.0, 1.5]
+    assert column(run_steps(trainer, 4), 0) == [1.0, 0.0, -0.5, 1.0, 1.5]
     assert column(seen, 0) == [1.0, 1.0, -1.0, -1.0]
 
 
 def batch_losses(schedule_delays: list[int], batches: list[float], **overrides) -> list[float]:
     """The loss of every step of a quadratic pulled towards each step's batch value x:
     0.5·(w - x)², SGD."""
-    trainer = quadratic_trainer(schedule_delays, **overrides)
+    trainer = scalar_trainer(schedule_delays, **overrides)
     trainer.micro_loss = lambda weights, micro: sum(
         0.5 * ((w - micro) ** 2).sum() for w in weights.values()
     )
@@ -123,7 +123,7 @@ def test_the_prediction_never_uses_an_update_not_computed_yet():
 
 def test_a_stage_holds_one_more_version_and_nothing_else():
     for schedule, stages, held in [("2bw", 3, [3, 3, 3]), ("pipedream", 3, [4, 3, 1])]:
-        trainer = quadratic_trainer(schedule_spec(schedule).delays(stages), correction="predict")
+        trainer = scalar_trainer(schedule_spec(schedule).delays(stages), correction="predict")
         for _ in range(5):
             trainer.train_step([torch.zeros(1)])
         # versions t-d-1 .. t between steps; no prediction and no spare buffer left behind

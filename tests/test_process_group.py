@@ -17,7 +17,7 @@ import torch
 
 from nobubble.config import ConfigError, TrainConfig
 from nobubble.pipeline import process_group
-from tests.pipeline_helpers import env, nobubble
+from tests.helpers.pipeline import env, nobubble
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 
@@ -176,8 +176,8 @@ def test_the_emulator_on_nccl_itself_is_refused_with_the_fix(gpus, monkeypatch):
 def test_nccl_on_the_cpu_is_refused_before_the_run_folder_exists(tmp_path):
     result = nobubble(tmp_path / "r", "stages=2", "dist_backend=nccl", stages=2, check=False)
     assert result.returncode == 2
-    assert "nobubble: error: dist_backend=nccl needs CUDA tensors and this run trains on cpu" in (
-        result.stderr
-    )
+    error = result.stderr
+    assert "dist_backend=nccl" in error and "cpu" in error  # the setting and the device
+    assert "device=cuda" in error and "dist_backend=auto" in error  # the two fixes
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "r").exists()

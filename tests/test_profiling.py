@@ -12,7 +12,7 @@ from nobubble.cli import main
 from nobubble.config import ConfigError, TrainConfig, profile_range
 from nobubble.profiling import StepProfiler, action_label, free_path, label, steps_to_trace
 from nobubble.schedules import Action, ActionKind
-from tests.pipeline_helpers import SMALL
+from tests.helpers.pipeline import SMALL, assert_same_run, nobubble
 
 # Two microbatches a step: step n (from 1) runs microbatches 2n-2 and 2n-1.
 SETTINGS = [*SMALL, "schedule=2bw", "stages=2", "microbatches=2", "eval_every=0"]
@@ -100,8 +100,6 @@ def test_every_pipeline_stage_traces_its_actions_and_waits(tmp_path):
 
     The same run (with EF and activation checkpointing) is the pipeline's activation
     checkpointing test: it must equal the plain simulation bit for bit, profiled or not."""
-    from tests.pipeline_helpers import assert_same_run, nobubble
-
     run, plain = tmp_path / "run", tmp_path / "plain"
     settings = [*SETTINGS[len(SMALL) :], "ef=true", "steps=3"]
     nobubble(run, *settings, "activation_checkpointing=true", "profile_steps=3:3", stages=2)

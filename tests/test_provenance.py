@@ -10,7 +10,7 @@ import torch
 import nobubble
 from nobubble.cli import main
 from nobubble.provenance import machine, provenance
-from tests.pipeline_helpers import SMALL
+from tests.helpers.pipeline import SMALL
 
 
 def test_provenance_names_this_checkout_s_commit_and_torch():

@@ -1,6 +1,5 @@
 """``nobubble report`` on hand-made run folders: numbers checked against hand computations."""
 
-import argparse
 import json
 import math
 import re
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nobubble.cli import main
-from nobubble.config import ConfigError, NobubbleWarning, TrainConfig
+from nobubble.config import ConfigError, NobubbleWarning
 from nobubble.reporting import cli as report
 from nobubble.reporting.groups import compare, group_runs
 from nobubble.reporting.plots import final_limits, plot_curves
@@ -22,41 +21,14 @@ from nobubble.staleness import (
     APPLIED_COSINE,
     APPLIED_ERROR,
     COSINE,
-    DRIFT,
     SYNC_STEP_COSINE,
     SYNC_STEP_ERROR,
 )
-from tests.pipeline_helpers import SMALL
+from tests.helpers.commands import call
+from tests.helpers.pipeline import SMALL
+from tests.helpers.runs import make_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def make_run(
-    root: Path,
-    final: float,
-    finished: bool = True,
-    name_as: str | None = None,
-    drift: tuple[list, list] | None = None,
-    **settings,
-) -> Path:
-    """A run folder as training writes it: the loss falls linearly to ``final`` over 100 s;
-    ``drift``: the per-stage weight drift of its evaluations at steps 50 and 100."""
-    cfg = TrainConfig(**{"steps": 100, **settings})
-    folder = root / (name_as or "-".join(f"{k}={v}" for k, v in sorted(settings.items())))
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(cfg.to_json())
-    evals = [(0, 5.0, 0.0), (50, final + 1.0, 50.0), (100, final, 100.0)]
-    lines = [
-        {"step": s, "val_loss": loss, "val_bpb": loss * 1.5, "train_time_s": t}
-        for s, loss, t in evals
-    ]
-    for line, stages in zip(lines[1:], drift or (), strict=False):
-        line[DRIFT] = stages
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    if finished:
-        summary = {"final_val_loss": final, "final_val_bpb": final * 1.5, "train_s": 100.0}
-        (folder / "summary.json").write_text(json.dumps(summary))
-    return folder
 
 
 ADAMW = {"sync": [2.00, 2.02, 2.01], "2bw": [2.40, 2.46, 2.43], "2bw+EF": [2.10, 2.12, 2.08]}
@@ -76,12 +48,6 @@ def runs_dir(tmp_path: Path) -> Path:
     return root
 
 
-def call(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    report.add_arguments(parser)
-    return report.run(parser.parse_args(list(argv)))
-
-
 def mean_std(values):
     return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
 
@@ -91,7 +57,7 @@ def sem(values):
 
 
 def test_table_numbers_match_hand_computations(runs_dir, tmp_path):
-    assert call(str(runs_dir), "--out", str(tmp_path / "out")) == 0
+    assert call(report, str(runs_dir), "--out", str(tmp_path / "out")) == 0
     text = (tmp_path / "out" / "report.md").read_text()
     quality = text.split("## Delay gap during training")[0]
     rows = {
@@ -124,7 +90,7 @@ def test_table_numbers_match_hand_computations(runs_dir, tmp_path):
 def test_where_filters_and_final_loss_plot(runs_dir, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["--where", "optim=adamw", "--where", "ef=false", "--vs", "stages", "--out", str(out)]
-    assert call(str(runs_dir), *args) == 0
+    assert call(report, str(runs_dir), *args) == 0
     printed = capsys.readouterr().out
     assert "muon" not in printed and "2bw+EF" not in printed
     assert "| adamw | pipedream |" in printed
@@ -133,7 +99,7 @@ def test_where_filters_and_final_loss_plot(runs_dir, tmp_path, capsys):
 
 def test_time_to_target(runs_dir, tmp_path):
     args = ["--where", "optim=adamw", "--time-to-target", "--out", str(tmp_path)]
-    assert call(str(runs_dir), *args) == 0
+    assert call(report, str(runs_dir), *args) == 0
     text = (tmp_path / "report.md").read_text()
     target = statistics.fmean(ADAMW["sync"])
     # The sync baseline takes its full 100 s; 2bw+EF never gets below the target.
@@ -202,18 +168,18 @@ def test_faster_run_speed_up(tmp_path):
 def test_folders_that_are_not_runs(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match=r"is not a run folder .* and holds no run folders"):
-        call(str(tmp_path / "empty"))
+        call(report, str(tmp_path / "empty"))
     make_run(tmp_path / "a", 2.0, seed=0)
     make_run(tmp_path / "b", 2.0, seed=0)
     runs, warnings = discover([tmp_path])
     assert len(runs) == 1 and "same settings and seed as" in warnings[0]
     with pytest.raises(ReportError, match="no finished runs matching optim=muon"):
-        call(str(tmp_path), "--where", "optim=muon")
+        call(report, str(tmp_path), "--where", "optim=muon")
 
 
 def test_gap_during_training(runs_dir, tmp_path):
     """The gap at each quarter point is the mean of the delayed curve minus the baseline's."""
-    assert call(str(runs_dir), "--where", "optim=adamw", "--out", str(tmp_path)) == 0
+    assert call(report, str(runs_dir), "--where", "optim=adamw", "--out", str(tmp_path)) == 0
     text = (tmp_path / "report.md").read_text()
     section = text.split("## Delay gap during training")[1]
     row = next(line for line in section.splitlines() if line.startswith("| adamw | 2bw |"))
@@ -258,7 +224,7 @@ def test_a_run_the_nonfinite_policy_stopped_is_reported_as_diverged(diverged_run
     root = tmp_path / "runs"
     shutil.copytree(diverged_run, root / "diverged")
     like(root / "baseline", diverged_run, 2.0, schedule="sync")
-    assert call(str(root), "--out", str(tmp_path / "out")) == 0
+    assert call(report, str(root), "--out", str(tmp_path / "out")) == 0
     text = (tmp_path / "out" / "report.md").read_text()
     assert "2 runs (1 diverged) in 2 groups" in text and "## Skipped" not in text
     rows = {line.split("|")[2].strip(): line for line in text.splitlines() if "| sgd |" in line}
@@ -324,7 +290,7 @@ def test_a_finite_but_diverged_run_is_drawn_off_the_scale_of_the_others(tmp_path
         "2bw lr=1.0 (off the scale: up to 6.9e+06)"
     ]
     assert final_limits(groups)[1] < 2.5  # the final losses but 6.9e6
-    assert call(str(root), "--vs", "lr", "--out", str(tmp_path / "out")) == 0
+    assert call(report, str(root), "--vs", "lr", "--out", str(tmp_path / "out")) == 0
     assert (tmp_path / "out" / "final_loss_vs_lr.png").read_bytes()[:8] == PNG
 
 
@@ -340,7 +306,7 @@ def test_diverged_seeds_count_as_an_infinite_loss(tmp_path):
     make_run(root, math.nan, optim="muon", schedule="sync")  # trained to the end, to NaN
     make_run(root, 9.0, finished=False, optim="lion")  # merely unfinished
     out = tmp_path / "out"
-    assert call(str(root), "--time-to-target", "--vs", "schedule", "--out", str(out)) == 0
+    assert call(report, str(root), "--time-to-target", "--vs", "schedule", "--out", str(out)) == 0
     text = (out / "report.md").read_text()
     assert "13 runs (2 diverged) in 5 groups" in text
     assert "skipped" in text and "lion" in text
@@ -365,7 +331,7 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(runs_dir, 
     taken = tmp_path / "taken"
     taken.write_text("a file")
     with pytest.raises(ConfigError, match=re.escape(f"--out {taken}: {taken} is not a folder")):
-        call(str(runs_dir), "--out", str(taken))
+        call(report, str(runs_dir), "--out", str(taken))
 
 
 @pytest.mark.parametrize("scaling", [[], ["--scaling"]])
@@ -407,7 +373,7 @@ def test_each_correction_against_its_control_without_a_delay(tmp_path, capsys):
     make_run(tmp_path, 2.4, schedule="2bw")
     make_run(tmp_path, 2.15, schedule="2bw", ef=True, ef_gamma=1.5)
     make_run(tmp_path, 2.3, schedule="2bw", ef=True)  # no control at γ = 1: no row
-    assert call(str(tmp_path), "--out", str(tmp_path / "out")) == 0
+    assert call(report, str(tmp_path), "--out", str(tmp_path / "out")) == 0
     text = (tmp_path / "out" / "report.md").read_text()
     table = text.split("## Corrections against their controls without a delay")[1]
     rows = [line for line in table.split("\n\n")[1].splitlines() if line.startswith("| adamw")]
@@ -430,7 +396,7 @@ def test_delayed_groups_against_the_references_at_the_default_settings(tmp_path)
     make_run(tmp_path, 2.1, schedule="2bw", ef=True, ef_gamma=2.0, beta1=0.8)
     make_run(tmp_path, 2.3, schedule="2bw", beta1=0.8, lr=1e-2)
     out = tmp_path / "out"
-    assert call(str(tmp_path), "--out", str(out), "--reference", "beta1=0.9") == 0
+    assert call(report, str(tmp_path), "--out", str(out), "--reference", "beta1=0.9") == 0
     text = (out / "report.md").read_text()
     assert "| 50% |" in text.split("## Against")[0]
     table = text.split("## Against the references at beta1=0.9")[1].split("\n\n")[1]
@@ -441,12 +407,12 @@ def test_delayed_groups_against_the_references_at_the_default_settings(tmp_path)
         ["2.1000", "2.0000", "+0.1000", "+0.4000", "75%"],
     ]
     none = tmp_path / "none"
-    assert call(str(tmp_path), "--out", str(none), "--reference", "beta1=0.5") == 0
+    assert call(report, str(tmp_path), "--out", str(none), "--reference", "beta1=0.5") == 0
     assert "No delayed group differs" in (none / "report.md").read_text()
     with pytest.raises(ReportError, match="one value per setting"):
-        call(str(tmp_path), "--reference", "beta1=0.9,0.8")
+        call(report, str(tmp_path), "--reference", "beta1=0.9,0.8")
     with pytest.raises(ConfigError, match="unknown config key 'beta9'"):
-        call(str(tmp_path), "--reference", "beta9=0.9")
+        call(report, str(tmp_path), "--reference", "beta9=0.9")
 
 
 def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
@@ -460,7 +426,7 @@ def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
     for run, cosines in ((folder, [0.8, 0.6]), (plain, [0.9]), (ef, [0.4, 0.6])):
         with (run / "metrics.jsonl").open("a") as metrics:  # cosine lines, as staleness_every
             metrics.write(json.dumps({"step": 60, "train_loss": 2.5, COSINE: cosines}) + "\n")
-    assert call(str(tmp_path), "--out", str(tmp_path / "out")) == 0
+    assert call(report, str(tmp_path), "--out", str(tmp_path / "out")) == 0
     text = (tmp_path / "out" / "report.md").read_text()
     staleness = text.split("## Staleness")[1]
     rows = {
@@ -494,7 +460,7 @@ def test_the_applied_step_error_beside_the_gap_and_its_rank_correlation(tmp_path
                 # against the synchronous step: half the error, for every run
                 line |= {SYNC_STEP_ERROR: [e / 2 for e in errors], SYNC_STEP_COSINE: cosines}
                 metrics.write(json.dumps(line) + "\n")
-    assert call(str(tmp_path), "--out", str(tmp_path / "out")) == 0
+    assert call(report, str(tmp_path), "--out", str(tmp_path / "out")) == 0
     staleness = (tmp_path / "out" / "report.md").read_text().split("## Staleness")[1]
     header = next(line for line in staleness.splitlines() if line.startswith("| optim"))
     assert (

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from nobubble.reporting import cli as report
 from nobubble.reporting.groups import against_references, compare, controls, group_runs
 from nobubble.reporting.runs import NOT_RECORDED, discover
 from nobubble.reporting.table import controls_table, quality_table, references_table
-from tests.test_report import call, make_run
+from tests.helpers.commands import call
+from tests.helpers.runs import make_run
 
 EPYC = {"cpu": "AMD EPYC", "cpus": 2, "cpu_capability": "AVX2", "gpu": None}
 XEON = {"cpu": "Intel(R) Xeon(R) Processor", "cpus": 2, "cpu_capability": "AVX512", "gpu": None}
@@ -130,9 +132,11 @@ def test_controls_and_references_tables_check_their_runs_too(tmp_path):
 
 def test_the_report_leaves_a_mixed_share_out_unless_told(tmp_path):
     study(tmp_path / "runs", XEON)
-    assert call(str(tmp_path / "runs"), "--out", str(tmp_path / "strict")) == 0
+    assert call(report, str(tmp_path / "runs"), "--out", str(tmp_path / "strict")) == 0
     strict = (tmp_path / "strict" / "report.md").read_text()
     assert "75%" not in strict and "other machine" in strict
     mixed = tmp_path / "mixed"
-    assert call(str(tmp_path / "runs"), "--out", str(mixed), "--allow-mixed-references") == 0
+    assert (
+        call(report, str(tmp_path / "runs"), "--out", str(mixed), "--allow-mixed-references") == 0
+    )
     assert ef_cell((mixed / "report.md").read_text()).startswith("75% †1")

@@ -10,29 +10,9 @@ from pathlib import Path
 import pytest
 
 from nobubble.checkpoint.files import verify_checkpoint
-from nobubble.cli import main
 from nobubble.one_process import OneProcessEngine
-from tests.pipeline_helpers import SMALL, assert_same_run, metrics, snapshot
-
-
-def train(out, *args: str) -> int:
-    return main(["train", "--no-progress", "--out", str(out), *SMALL, *args])
-
-
-def resume(run, *args: str) -> int:
-    return main(["train", "--no-progress", "--resume", str(run), *args])
-
-
-def cut_back_to(run, step: int) -> None:
-    """Make ``run`` look like it died right after saving the checkpoint of ``step``."""
-    for folder in (run / "checkpoints").glob("step_*"):
-        if int(folder.name.split("_")[1]) > step:
-            shutil.rmtree(folder)
-    (run / "summary.json").unlink()
-    with open(run / "metrics.jsonl", "a") as fh:  # lines written after the checkpoint
-        fh.write(json.dumps({"step": step + 1, "train_loss": 0.0}) + "\n")
-        fh.write('{"step": ' + str(step + 2) + ', "train_lo')  # torn by a hard kill
-
+from tests.helpers.pipeline import assert_same_run, metrics, snapshot
+from tests.helpers.runs import cut_back_to, resume, train
 
 RUNS = {
     "sync": ["schedule=sync"],

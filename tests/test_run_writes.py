@@ -15,7 +15,7 @@ from nobubble.pipeline import runtime
 from nobubble.pipeline.comm import PeerFailure
 from nobubble.run import loop
 from nobubble.runfolder import folder as runfolder
-from tests.pipeline_helpers import SMALL, assert_same_run, metrics, snapshot
+from tests.helpers.pipeline import SMALL, assert_same_run, metrics, snapshot
 
 SETTINGS = ["steps=6", "eval_every=3", "checkpoint_every=2", "keep_checkpoints=5"]
 

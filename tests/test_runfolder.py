@@ -13,11 +13,8 @@ import pytest
 from nobubble.cli import main
 from nobubble.run import setup
 from nobubble.runfolder.lock import FolderBusy, hold_folder
-from tests.pipeline_helpers import SMALL, snapshot
-
-
-def train(out, *args: str) -> int:
-    return main(["train", "--no-progress", "--out", str(out), *SMALL, *args])
+from tests.helpers.pipeline import SMALL, snapshot
+from tests.helpers.runs import train
 
 
 def one_clear_line(capsys) -> str:

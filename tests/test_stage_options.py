@@ -16,7 +16,7 @@ from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
 from nobubble.one_process import OneProcessEngine
 from nobubble.stage_options import check_compilable
-from tests.pipeline_helpers import SMALL, assert_same_run, final_weights, metrics, nobubble
+from tests.helpers.pipeline import SMALL, assert_same_run, final_weights, metrics, nobubble
 
 STEPS = 3
 MC = dataclasses.replace(

@@ -15,8 +15,8 @@ from nobubble.settings_read import UnusedSettingWarning
 from nobubble.staleness import COSINE, DRIFT, weight_drift
 from nobubble.tracking import scalars_of
 from nobubble.versions import VersionStore
-from tests.pipeline_helpers import SMALL
-from tests.quadratic_toy import quadratic_grad, quadratic_trainer
+from tests.helpers.pipeline import SMALL
+from tests.helpers.quadratic import quadratic_grad, quadratic_trainer
 
 
 def test_weight_drift_by_hand():

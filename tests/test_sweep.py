@@ -1,6 +1,5 @@
 """``nobubble sweep`` end to end on a 2-run toy grid (real training processes), then report."""
 
-import argparse
 import json
 import os
 import re
@@ -17,39 +16,9 @@ from nobubble.runfolder.lock import hold, hold_folder
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError
 from nobubble.sweeping.planned import PlannedRun, Status
-from tests.pipeline_helpers import snapshot
-
-TOY_GRID = """
-[sweep]
-name = "toy"
-
-[base]
-d_model = 32
-n_layers = 2
-n_heads = 2
-n_kv_heads = 1
-d_ff = 64
-seq_len = 32
-batch_size = 4
-steps = 4
-eval_every = 2
-checkpoint_every = 2
-eval_batches = 1
-warmup_steps = 1
-
-[grid]
-schedule = ["sync", "2bw"]
-"""
-
-
-def call(module, *argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return module.run(parser.parse_args(list(argv)))
-
-
-def last_line(text: str) -> str:
-    return text.strip().splitlines()[-1]
+from tests.helpers.commands import call, last_line
+from tests.helpers.pipeline import snapshot
+from tests.helpers.sweeps import TOY_GRID
 
 
 def tally(done: int, skipped: int, failed: int = 0) -> str:

@@ -1,6 +1,5 @@
 """Grid files, run planning and ``best:`` values, without training anything."""
 
-import argparse
 import functools
 import json
 import math
@@ -20,6 +19,7 @@ from nobubble.sweeping.grid import SweepError, load_sweep
 from nobubble.sweeping.launch import command, write_config_file
 from nobubble.sweeping.plan import plan_phase
 from nobubble.sweeping.planned import PlannedRun, Status, finished_loss
+from tests.helpers.commands import call
 
 PHASED = """
 [sweep]
@@ -143,7 +143,7 @@ def test_best_counts_runs_that_failed_in_this_sweep_as_diverged(tmp_path):
 
 def test_dry_run_shows_phases_waiting_for_best_values(tmp_path, capsys):
     path = write(tmp_path, PHASED)
-    assert call("--config", str(path), "--dry-run") == 0
+    assert call(sweep, "--config", str(path), "--dry-run") == 0
     out = capsys.readouterr().out
     assert "phase main: 6 runs, waiting for lr = best:lr_sweep" in out
     assert "  wait  optim=muon,setup=2bw+ef" in out
@@ -153,13 +153,7 @@ def test_dry_run_shows_phases_waiting_for_best_values(tmp_path, capsys):
 def test_a_phase_cannot_start_before_the_phase_it_takes_best_values_from(tmp_path):
     path = write(tmp_path, PHASED)
     with pytest.raises(SweepError, match=r"Run that phase to the end first .* --phase lr_sweep"):
-        call("--config", str(path), "--phase", "main")
-
-
-def call(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)
-    return sweep.run(parser.parse_args(list(argv)))
+        call(sweep, "--config", str(path), "--phase", "main")
 
 
 @pytest.mark.parametrize(
@@ -318,7 +312,7 @@ def test_bad_combinations_in_later_phases_stop_the_sweep_before_it_starts(tmp_pa
         'set = { lr = "best:lr_sweep" }', 'set = { lr = "best:lr_sweep", ef_gamma = -1 }'
     )
     with pytest.raises(SweepError, match="main/optim=adamw,setup=sync: ef_gamma must be >= 0"):
-        call("--config", str(write(tmp_path, text)), "--dry-run")
+        call(sweep, "--config", str(write(tmp_path, text)), "--dry-run")
     assert not (tmp_path / "runs").exists()
 
 
@@ -353,7 +347,7 @@ def test_a_bad_value_in_the_17th_run_stops_the_sweep_before_any_run(
     seeds = ", ".join(map(str, range(16)))
     grid = write(tmp_path, f"{SMALL_BASE}[[grid]]\nseed = [{seeds}]\n[[grid]]\n{bad}\n")
     with pytest.raises(SweepError, match=re.escape(message)):
-        call("--config", str(grid))
+        call(sweep, "--config", str(grid))
     assert launches == [] and not (tmp_path / "runs").exists()
 
 
@@ -376,7 +370,7 @@ optim = OPTIMS
 def test_best_values_are_checked_with_every_value_they_may_take(tmp_path, launches):
     grid = write(tmp_path, SMALL_BASE + TWO_PHASES.replace("OPTIMS", '["adamw"]'))
     with pytest.raises(SweepError) as caught:
-        call("--config", str(grid))
+        call(sweep, "--config", str(grid))
     message = str(caught.value)
     assert "b/optim=adamw" in message and "microbatches = 3 (from best:a)" in message
     assert "batch_size 8 is not divisible by microbatches 3" in message
@@ -386,7 +380,7 @@ def test_best_values_are_checked_with_every_value_they_may_take(tmp_path, launch
 def test_best_values_that_no_run_can_give_stop_the_sweep_before_it_starts(tmp_path, launches):
     grid = write(tmp_path, SMALL_BASE + TWO_PHASES.replace("OPTIMS", '["muon"]'))
     with pytest.raises(SweepError, match=re.escape("phase 'a' has no run with {'optim': 'muon'}")):
-        call("--config", str(grid))
+        call(sweep, "--config", str(grid))
     assert launches == []
 
 
@@ -394,7 +388,7 @@ def test_phases_left_out_with_phase_are_checked_too(tmp_path, launches):
     text = SMALL_BASE + "[[phase]]\nname = 'a'\ngrid = { seed = [0] }\n"
     text += "[[phase]]\nname = 'b'\ngrid = { eps = [0.0] }\n"
     with pytest.raises(SweepError, match=re.escape("b/eps=0.0: eps must be positive")):
-        call("--config", str(write(tmp_path, text)), "--phase", "a")
+        call(sweep, "--config", str(write(tmp_path, text)), "--phase", "a")
     assert launches == []
 
 
@@ -422,11 +416,11 @@ def test_a_run_that_diverged_in_an_earlier_session_is_done(tmp_path, launches, c
             finish(run, 2.0 + run.config.lr)
     diverged = next(r for r in lr_sweep if r.path.name == "optim=muon,lr=0.01,seed=0")
     assert diverged.status() is Status.DIVERGED and finished_loss(diverged) == math.inf
-    assert call("--config", str(path), "--phase", "lr_sweep", "--dry-run") == 0
+    assert call(sweep, "--config", str(path), "--phase", "lr_sweep", "--dry-run") == 0
     out = capsys.readouterr().out
     assert "lr_sweep: 8 runs, 8 complete (2 diverged), 0 to run" in out
     assert "  diverged optim=muon,lr=0.01,seed=0" in out
-    assert call("--config", str(path), "--phase", "main") == 0  # not waiting for lr_sweep
+    assert call(sweep, "--config", str(path), "--phase", "main") == 0  # not waiting for lr_sweep
     assert {r.config.lr for r in launches if r.config.optim == "muon"} == {0.001}
     assert (tmp_path / "runs" / "lr_sweep" / diverged.name).is_dir()  # never deleted
 
@@ -436,9 +430,11 @@ def test_an_output_root_that_cannot_hold_runs_stops_the_sweep_before_it_starts(t
     taken.write_text("a file")
     grid = str(write(tmp_path, "[grid]\nseed = [0]"))
     with pytest.raises(ConfigError, match=re.escape(f"{taken} is not a folder")):
-        call("--config", grid, "--out", str(taken / "sweep"))
+        call(sweep, "--config", grid, "--out", str(taken / "sweep"))
     assert launches == []
-    assert call("--config", grid, "--out", str(taken / "sweep"), "--dry-run") == 0  # writes nothing
+    assert (
+        call(sweep, "--config", grid, "--out", str(taken / "sweep"), "--dry-run") == 0
+    )  # writes nothing
 
 
 def test_an_output_root_that_takes_no_files_stops_the_sweep_before_it_starts(
@@ -448,9 +444,9 @@ def test_an_output_root_that_takes_no_files_stops_the_sweep_before_it_starts(
     grid = write(tmp_path, f"[sweep]\nout = '{unwritable / 'sweep'}'\n[grid]\nseed = [0]")
     given = f"{grid} [sweep] out {unwritable / 'sweep'}: cannot write in {unwritable}"
     with pytest.raises(ConfigError, match=re.escape(given)):
-        call("--config", str(grid))
+        call(sweep, "--config", str(grid))
     with pytest.raises(ConfigError, match=re.escape(f"--out {unwritable / 'x'}: cannot write")):
-        call("--config", str(grid), "--out", str(unwritable / "x"))
+        call(sweep, "--config", str(grid), "--out", str(unwritable / "x"))
     assert launches == [] and list(unwritable.iterdir()) == []
 
 

@@ -23,10 +23,9 @@ from nobubble.model.partition import TIED_WEIGHT, partition
 from nobubble.one_process import DelayedTrainer, OneProcessEngine
 from nobubble.optim.lr_schedule import lr_at, set_lr
 from nobubble.optim.registry import build_optimizer
-from tests.pipeline_helpers import assert_same_run, losses, nobubble
-from tests.test_checkpoint_names import CONSTANT, launch, resume, train
-from tests.test_data_parallel import assert_close_runs
-from tests.test_one_process import plain_step
+from tests.helpers.loops import plain_step
+from tests.helpers.pipeline import assert_same_run, losses, nobubble
+from tests.helpers.runs import CONSTANT, assert_close_runs, launch, resume, train
 
 # -- the rule, by hand ---------------------------------------------------------------------------
 

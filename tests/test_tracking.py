@@ -21,8 +21,8 @@ from nobubble.model.resolve import model_config
 from nobubble.run.steplog import StepLogger
 from nobubble.run.summary import summary_line
 from nobubble.tracking import TensorBoardLogger, stage_scalars
-from tests.pipeline_helpers import SMALL, metrics, run_train
-from tests.test_resume import cut_back_to
+from tests.helpers.pipeline import SMALL, metrics, run_train
+from tests.helpers.runs import cut_back_to
 
 PEAK = 0.5  # TFLOP/s of the one device: a made-up peak, so that the run has an MFU
 SETTINGS = ["steps=6", "eval_every=2", "checkpoint_every=3", "keep_checkpoints=5"]

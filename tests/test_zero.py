@@ -23,9 +23,8 @@ import json
 
 import pytest
 
-from tests.pipeline_helpers import EXTENDED, final_weights, nobubble
-from tests.test_checkpoint_names import launch
-from tests.test_data_parallel import assert_close_runs, stage_reports
+from tests.helpers.pipeline import EXTENDED, final_weights, nobubble
+from tests.helpers.runs import assert_close_runs, launch, stage_reports
 
 pytestmark = pytest.mark.slow
 

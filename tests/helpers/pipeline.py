@@ -13,7 +13,7 @@ import torch
 
 from nobubble.checkpoint.files import newest_weights
 from nobubble.staleness import DRIFT
-from tests.launcher import run_nobubble
+from tests.helpers.launcher import run_nobubble
 
 # A model and data small enough for 4 processes on 2 cores, big enough to have 4 blocks.
 SMALL = [
@@ -28,6 +28,16 @@ SMALL = [
     "threads=1",
     "lr=3e-3",
     "warmup_steps=2",
+]
+# 4 experts of width 32, 2 per token and a shared one, on blocks 1-3 (block 0 stays dense),
+# bias balancing on and fast enough to change the routing within a few steps
+MOE = [
+    "moe_experts=4",
+    "moe_top_k=2",
+    "moe_d_ff=32",
+    "moe_shared_experts=1",
+    "moe_layers=[1, 2, 3]",
+    "moe_bias_rate=0.01",
 ]
 # A case that repeats a path another case of `make test` already runs (another optimizer, another
 # schedule of the same family): `make test` leaves it out, `make test-all` runs it.
@@ -64,8 +74,8 @@ def nobubble(out: Path, *args: str, stages: int = 0, timeout: int = 300, check: 
 
 def run_train(*args: str, stages: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
     """``nobubble train ARGS``, finished: one process, or ``stages`` with torchrun's environment,
-    forked from the tests' preloaded server (:mod:`tests.launcher`). The tests of torchrun itself
-    launch it with :func:`train_command`."""
+    forked from the tests' preloaded server (:mod:`tests.helpers.launcher`). The tests of
+    torchrun itself launch it with :func:`train_command`."""
     return run_nobubble(["train", "--no-progress", *args], stages, timeout, env())
 
 

@@ -7,7 +7,7 @@ is forked from it with the environment torchrun would give it (RANK, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT): nobubble takes the same code path as under torchrun, except that rank 0
 hosts the rendezvous store instead of torchrun's agent (nobubble's path for other launchers).
 The launches that must exercise torchrun itself (restarts, signals, several nodes, the agent's
-store) still run it, with :func:`tests.pipeline_helpers.train_command`.
+store) still run it, with :func:`tests.helpers.pipeline.train_command`.
 
 Like torchrun, a launch stops the other processes when one fails, and its exit status is the
 first failure's.
@@ -34,7 +34,7 @@ _PRELOAD = [
     "torch.distributed",
     "nobubble.cli",
     "nobubble.run.train",
-    "tests.launcher",
+    "tests.helpers.launcher",
 ]
 _CONTEXT: multiprocessing.context.ForkServerContext | None = None
 _STOP_GRACE_S = 10.0  # torchrun's default grace after SIGTERM before it kills
