@@ -2,6 +2,7 @@
 hand-made laws file, the verdict, the extrapolation label, and a missing or damaged file."""
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -213,3 +214,24 @@ def test_when_no_synchronous_schedule_fits_the_fastest_is_compared_and_marked():
     t = time_to_target(plan(), estimates(), [law("2bw+auto")], "muon", TOKENS, limit_gb=0.5)
     assert t.best_sync.setup == "zb-h2" and not t.best_sync.fits
     assert [v.fits for v in t.verdicts()] == [False]
+
+
+def test_an_axis_the_law_did_not_fit_is_labelled_an_assumption(tmp_path, capsys):
+    """A law fitted on one size (the length ladder alone) has no size exponent: a plan at
+    another size says the penalty there is assumed, in the extrapolation line, the verdict and
+    the JSON; a plan at the measured size does not."""
+    params = non_embedding_parameters(PLANNING_SHAPES["tiny"])
+    one_size = Law("excess_steps", "muon", "2bw+auto", 0.01, 0.0, 0.0, ((0.01, 0.0, 0.0),),
+                   (1e5, 1e5), (1e6, 1e9), points=8, not_measured=("params",))  # fmt: skip
+    at_size = dataclasses.replace(one_size, params_range=(params, params))
+    for each, beyond in ((one_size, True), (at_size, False)):
+        assert cli(*PLAN, "--optim", "muon", "--laws", write_laws(tmp_path, [each])) == 0
+        lines = capsys.readouterr().out.splitlines()
+        law_line = next(line for line in lines if line.startswith("2bw+auto: law of 8 runs"))
+        verdict = next(line for line in lines if line.startswith("2bw+auto reaches"))
+        assert ("no exponent fitted" in law_line) is beyond
+        assert ("assumed, not measured: the penalty at another size" in verdict) is beyond
+        assert "another tokens" not in verdict  # the tokens axis was fitted
+    assert cli(*PLAN, "--optim", "muon", "--laws", write_laws(tmp_path, [one_size]), "--json") == 0
+    rows = json.loads(capsys.readouterr().out)["time_to_target"]["rows"]
+    assert next(r for r in rows if r["setup"] == "2bw+auto")["not_measured"] == ["params"]

@@ -37,6 +37,12 @@ def _beyond(x: float) -> str:
     return f"{x:,.0f}x" if x >= 100 else f"{x:.3g}x"
 
 
+# an axis the ladder held fixed has exponent 0: the law's value there is assumed, not fitted
+UNFITTED = (
+    "one {axis} measured, no exponent fitted: assumes the penalty does not change with {axis}"
+)
+
+
 def _tokens_rule(args: argparse.Namespace) -> str:
     if args.tokens:
         return "--tokens"
@@ -55,10 +61,23 @@ def extrapolation(target: TimeToTarget, row: Row) -> str:
     size, tokens = target.outside(row)
     beyond = [
         f"{_beyond(x)} beyond the measured {axis}"
-        for x, axis in ((size, "size"), (tokens, "tokens"))
+        + (f" ({UNFITTED.format(axis=axis)})" if key in law.not_measured else "")
+        for x, axis, key in ((size, "size", "params"), (tokens, "tokens", "tokens"))
         if x > 1
     ]
     return f"{measured}; " + (f"extrapolated: {', '.join(beyond)}" if beyond else "inside it")
+
+
+def _assumed(target: TimeToTarget, setup: str) -> list[str]:
+    """The axes ``setup``'s law did not fit along which the plan lies beyond the measured point."""
+    row = next(r for r in target.rows if r.setup == setup)
+    assert row.law is not None
+    beyond = dict(zip(("params", "tokens"), target.outside(row), strict=True))
+    return [
+        f"assumed, not measured: the penalty at another {axis}"
+        for key, axis in (("params", "size"), ("tokens", "tokens"))
+        if key in row.law.not_measured and beyond[key] > 1
+    ]
 
 
 def verdict_lines(target: TimeToTarget, limit: float) -> list[str]:
@@ -76,7 +95,8 @@ def verdict_lines(target: TimeToTarget, limit: float) -> list[str]:
         else:
             line = f"{v.setup} reaches the synchronous loss {v.answer} than the best "
             line += f"synchronous schedule ({against}): {speed}"
-        lines.append(line + ("" if v.fits else f"; {v.setup} does not fit in {limit:g} GB"))
+        line += "" if v.fits else f"; {v.setup} does not fit in {limit:g} GB"
+        lines.append(line + "".join(f"; {note}" for note in _assumed(target, v.setup)))
     return lines
 
 
@@ -118,6 +138,7 @@ def _row_json(target: TimeToTarget, r: Row) -> dict:
     if r.law is not None:
         size, tokens = target.outside(r)
         row["outside_measured"] = {"params": size, "tokens": tokens}
+        row["not_measured"] = list(r.law.not_measured)  # axes whose exponent is assumed 0
     return row
 
 
