@@ -38,22 +38,9 @@ PY
 "$NOBUBBLE" sweep --config experiments/scaling.toml --jobs "${JOBS:-2}" "$@"
 status=$?
 
-# The fit, its plots and the study's check. The paper's 360 M token count is not in the text we
-# could read (docs/results.md, section 16): 7.2 B is 20 tokens per parameter, an assumption.
-phases=()
-for phase in length size_s2 size_s3 size_s4; do
-    [ -d "$RUNS/$phase" ] && phases+=("$RUNS/$phase")
-done
-if [ ${#phases[@]} -gt 0 ]; then
-    "$NOBUBBLE" report --scaling "${phases[@]}" --paper-tokens 7200000000 --out "$DOCS/fit" \
-        --title "The delay's gap against size and tokens" ||
-        echo "scaling.sh: no scaling report yet (see the error above)" >&2
-    for phase in "${phases[@]}"; do  # each phase's table, with the applied-step error
-        "$NOBUBBLE" report "$phase" --out "$DOCS/$(basename "$phase")" \
-            --title "Scaling ladder: $(basename "$phase")" ||
-            echo "scaling.sh: no $(basename "$phase") report yet" >&2
-    done
-fi
+# the fit, its plots, the study's check, each phase's table and the shipped laws
+experiments/scaling_fit.sh "$RUNS" "$DOCS" src/nobubble/delay_laws.json ||
+    echo "scaling.sh: no scaling report yet (see the error above)" >&2
 
 [ -d "$RUNS" ] && mkdir -p "$DOCS" && experiments/run_records.sh pack "$RUNS" "$RECORDS"
 exit $status
