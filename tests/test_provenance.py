@@ -37,3 +37,18 @@ def test_a_run_records_the_machine_it_ran_on(tmp_path):
     assert main(["train", "--no-progress", "--out", str(out), *SMALL, "steps=1"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["machine"] == found and summary["code"] == provenance()
+
+
+def test_a_run_records_the_code_it_started_with(tmp_path, monkeypatch):
+    """A checkout that moves on while a run trains (a commit, a merge) does not change what the
+    run's summary says trained it: the revision is read when the run starts."""
+    out = tmp_path / "run"
+
+    def revision() -> str:  # the checkout moves on once the run has trained a step
+        metrics = out / "metrics.jsonl"
+        return "moved-on" if metrics.exists() and metrics.read_text() else "started-with"
+
+    monkeypatch.setattr("nobubble.provenance.source_revision", revision)
+    assert main(["train", "--no-progress", "--out", str(out), *SMALL, "steps=2"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["code"]["nobubble"] == "started-with"

@@ -13,6 +13,7 @@ from nobubble.engine import StepStats
 from nobubble.evaluation import EvalSums
 from nobubble.model.flops import Utilization
 from nobubble.model.moe import routing_metrics
+from nobubble.provenance import provenance
 from nobubble.runfolder.folder import RunFolder
 from nobubble.staleness import DRIFT
 from nobubble.tracking import Loggers, open_loggers, scalars_of, stage_scalars
@@ -44,6 +45,9 @@ class StepLogger:
         enabled: bool = True,
     ) -> None:
         self.cfg, self.run, self.usage, self.enabled = cfg, run, usage, enabled
+        # the code that trains, read now: a checkout that moves on while the run trains must not
+        # change what its summary says ran it
+        self.code = provenance()
         self.loggers = open_loggers(cfg, run.path, start) if enabled else Loggers([])
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.train_time, self.wall_before = before.train_s, before.wall_s

@@ -17,7 +17,7 @@ from nobubble.model.flops import Utilization
 from nobubble.model.moe import dispatch_in_words
 from nobubble.model.presets import ModelConfig
 from nobubble.optim.muon import ns_dtype
-from nobubble.provenance import machine, provenance
+from nobubble.provenance import machine
 from nobubble.run.errors import NonFiniteError
 from nobubble.run.steplog import StepLogger
 from nobubble.runfolder.folder import ERROR, FINISHED, NON_FINITE, SIGNAL, RunFolder, RunWriteError
@@ -101,7 +101,7 @@ def run_summary(
         "train_s": elapsed.train_s,
         "steps": engine.step if stopped == FINISHED else log.done,
         "peak_mem_mb": peak_memory_mb(engine.device),
-        "code": provenance(),
+        "code": log.code,
         "machine": machine(),
     }
     if stopped == FINISHED:
