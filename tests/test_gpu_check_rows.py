@@ -91,18 +91,32 @@ def test_how_a_run_is_started(tmp_path):
         "--nproc-per-node=2",
     ]
     assert pipeline[5:8] == ["-m", "nobubble", "train"] and pipeline[-1] == "dist_backend=nccl"
-    (audit,) = [run for run in runs.values() if run.kind == AUDIT]
-    audit_command = command(audit, tmp_path, "py")
-    start = audit_command.index("gpu-check")
-    assert audit_command[start - 2 : start + 4] == [
-        "-m",
-        "nobubble",
-        "gpu-check",
-        "audit",
-        str(tmp_path / "audit"),
-        "--",
-    ]
-    assert audit_command[start + 4] == "train"
+    audits = [run for run in runs.values() if run.kind == AUDIT]
+    folders = set()
+    for audit in audits:  # each audit row writes what it found into a folder of its own
+        audit_command = command(audit, tmp_path, "py")
+        start = audit_command.index("gpu-check")
+        assert audit_command[start - 2 : start + 4] == [
+            "-m",
+            "nobubble",
+            "gpu-check",
+            "audit",
+            str(tmp_path / "audit" / audit.name),
+            "--",
+        ]
+        assert audit_command[start + 4] == "train"
+        folders.add(audit_command[start + 2])
+    assert len(folders) == len(audits) == 2
+
+
+def test_an_moe_model_is_audited_with_routed_blocks_on_both_stages():
+    """The grouped dispatch must read nothing on the host: the audit's MoE row routes blocks
+    on each of its two stages (SmolLM2-360M's 32 blocks, cut in half)."""
+    (moe,) = [run for run in by_name(2).values() if run.kind == AUDIT and "moe" in run.name]
+    layers = json.loads(moe.setting("moe_layers"))
+    assert int(moe.setting("moe_experts")) > int(moe.setting("moe_top_k")) >= 1
+    assert moe.setting("stages") == "2" and moe.setting("dtype", "bfloat16") == "bfloat16"
+    assert any(layer < 16 for layer in layers) and any(layer >= 16 for layer in layers)
 
 
 def test_a_run_gets_the_first_gpus_and_the_fault_handler():

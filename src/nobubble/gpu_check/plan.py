@@ -17,7 +17,8 @@ what a row may differ by.
 Before the rows, a smoke test on a tiny model (every GPU a stage, one 1F1B step on NCCL: every
 stage edge connected by the warm-up, then used) says in seconds whether NCCL's point-to-point
 works at all. One row measures throughput over enough steps to mean something, with MFU beside
-it; one row audits the synchronizations of a step's actions (:mod:`nobubble.gpu_check.audit`).
+it; two rows audit the synchronizations of a step's actions, a dense model's and an MoE model's
+(:mod:`nobubble.gpu_check.audit`).
 Rows that need more GPUs than the machine has are listed as skipped, with why.
 """
 
@@ -152,13 +153,19 @@ def throughput(gpus: int) -> CheckRun:
     )
 
 
-def audit(gpus: int) -> CheckRun:
-    """1F1B on two stages with the main transport, its processes audited
-    (:func:`nobubble.gpu_check.audit.audit_main`)."""
+# an MoE model for the audit: two routed blocks on each of the two stages (of the 32), experts
+# dispatched by the grouped GEMM (bfloat16), which reads nothing on the host
+MOE = ("moe_experts=8", "moe_top_k=2", "moe_layers=[1, 2, 17, 18]", "moe_bias_rate=0.001")
+
+
+def audit(gpus: int, model: tuple[str, ...] = (), label: str = "") -> CheckRun:
+    """1F1B on two stages with the main transport (the dense model, or ``model``'s settings,
+    named by ``label``), its processes audited (:func:`nobubble.gpu_check.audit.audit_main`)."""
     transport = "nccl" if gpus >= 2 else "emulated"
-    base = row("1f1b", 2, transport)
+    base = row("1f1b", 2, transport, extra=model)
+    name = f"sync-audit-{label}{base.name}"
     return dataclasses.replace(
-        base, name=f"sync-audit-{base.name}", reference=None, kind=AUDIT, timeout_s=TIMEOUTS[AUDIT]
+        base, name=name, reference=None, kind=AUDIT, timeout_s=TIMEOUTS[AUDIT]
     )
 
 
@@ -192,7 +199,7 @@ def plan(gpus: int) -> list[CheckRun]:
     # the other ways to share one GPU, once: plain gloo; with NCCL there, NCCL's emulation
     rows.append(row("2bw", 2, "gloo" if main == "emulated" else "emulated"))
     rows += [run for run, need in wanted() if need <= gpus]
-    rows += [audit(gpus), throughput(gpus)]
+    rows += [audit(gpus), audit(gpus, MOE, "moe-"), throughput(gpus)]
     compiled = ("compile=true", "activation_checkpointing=true")
     rows.append(row("2bw", 2, main, extra=compiled, expect=CLOSE))
     return [smoke(gpus), *REFERENCES.values(), REPEAT, *rows]

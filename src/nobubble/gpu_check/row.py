@@ -14,19 +14,19 @@ import time
 from pathlib import Path
 
 from nobubble.children import POLL_S, identity, shell_status, stopping
-from nobubble.gpu_check.runs import AUDIT, CheckRun
+from nobubble.gpu_check.runs import AUDIT, CheckRun, audit_folder
 from nobubble.json_files import write_json_atomic
 
 STACKS_WAIT_S = 10.0  # how long a process gets to write its stacks and exit
 
 
 def command(run: CheckRun, out: Path, python: str = sys.executable) -> list[str]:
-    """How ``run`` is started: ``nobubble train`` (inside ``nobubble gpu-check audit`` for the
+    """How ``run`` is started: ``nobubble train`` (inside ``nobubble gpu-check audit`` for an
     audit), in one process or under torchrun."""
     train = ["train", "--no-progress", "--overwrite", "--out", str(out / "runs" / run.name)]
     entry = ["-m", "nobubble", *train]
     if run.kind == AUDIT:
-        entry = ["-m", "nobubble", "gpu-check", "audit", str(out / "audit"), "--", *train]
+        entry = ["-m", "nobubble", "gpu-check", "audit", str(audit_folder(out, run)), "--", *train]
     launcher = [python]
     if run.processes:
         launcher += ["-m", "torch.distributed.run", "--standalone"]

@@ -11,6 +11,7 @@ and chunks (:mod:`nobubble.gpu_check.plan`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 # the settings of every run (a row's own come after): the model and where it runs, then how
 # long and how it trains (without clipping: see the module's docstring)
@@ -78,3 +79,8 @@ class Skipped:
 
     name: str
     why: str
+
+
+def audit_folder(out: Path, run: CheckRun) -> Path:
+    """Where the processes of audit row ``run`` write what they found, one folder a row."""
+    return out / "audit" / run.name

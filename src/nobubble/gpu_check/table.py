@@ -12,7 +12,16 @@ from nobubble.destinations import check_output_file
 from nobubble.gpu_check.audit import audit_verdict
 from nobubble.gpu_check.parity import finished, verdict
 from nobubble.gpu_check.plan import REPEAT, planned
-from nobubble.gpu_check.runs import AUDIT, MODEL, REFERENCE, SMOKE, THROUGHPUT, TRAINING, CheckRun
+from nobubble.gpu_check.runs import (
+    AUDIT,
+    MODEL,
+    REFERENCE,
+    SMOKE,
+    THROUGHPUT,
+    TRAINING,
+    CheckRun,
+    audit_folder,
+)
 from nobubble.json_files import write_json_atomic
 from nobubble.markdown import markdown_table
 
@@ -83,7 +92,7 @@ def status(
     if not (out / "runs" / run.name).is_dir():
         return "not run"
     if run.kind == AUDIT:
-        return audit_verdict(out / "audit") if summary else "failed"
+        return audit_verdict(audit_folder(out, run)) if summary else "failed"
     if run.reference is None:
         return FINISHED_AS[run.kind] if summary else "failed"
     return verdict(None if gaps is None or "failed" in gaps else gaps, run.expect, noise)
