@@ -4,6 +4,7 @@ import re
 import typing
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,9 +22,11 @@ from nobubble.runfolder.folder import run_name
 
 
 def test_defaults_are_valid():
-    """The defaults build, and building resolves chunks to the schedule's (sync: 1)."""
+    """The defaults build, and building resolves chunks to the schedule's (sync: 1) and dtype
+    to what auto trains in here."""
     cfg = build_config()
-    assert cfg == dataclasses.replace(TrainConfig(), chunks=1)
+    here = "bfloat16" if torch.cuda.is_available() else "float32"
+    assert cfg == dataclasses.replace(TrainConfig(), chunks=1, dtype=here)
 
 
 def test_layers_apply_in_order():

@@ -4,6 +4,7 @@ was on the CPU; and every torch.distributed name nobubble uses exists in the ins
 import ast
 import dataclasses
 import importlib
+import json
 import os
 from pathlib import Path
 
@@ -12,15 +13,19 @@ import torch
 import torch.distributed as dist
 
 import nobubble
+from nobubble.cli import main
 from nobubble.config import TrainConfig
 from nobubble.config.parse import from_saved
 from nobubble.configure import build_config, resolve_config
 from nobubble.device import ALLOC_CONF, configure_cuda, configure_torch
 from nobubble.model.presets import PRESETS
 from nobubble.one_process import OneProcessEngine
+from nobubble.reporting.runs import result_settings
 from nobubble.run.summary import summary_line
+from nobubble.runfolder.resume import resumed_config
 from nobubble.settings_read import RunFacts, unused_settings
 from nobubble.stage_options import autocast, compute_dtype, precision
+from tests.helpers.pipeline import SMALL
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 
@@ -195,3 +200,36 @@ def test_every_torch_distributed_name_nobubble_uses_exists_in_this_torch():
         used = {name: files for name, files in used.items() if "NCCL" not in name.upper()}
     missing = {name: files for name, files in used.items() if not resolves(name)}
     assert not missing, f"torch {torch.__version__} lacks: {missing}"
+
+
+def test_a_configuration_holds_dtype_auto_resolved(monkeypatch):
+    """config.json says what a run trains in: auto is resolved when the configuration is built,
+    by the device setting (a named device is not checked for here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert build_config({}).dtype == "float32"
+    assert build_config({"device": "cuda"}).dtype == "bfloat16"
+    assert build_config({"dtype": "bfloat16"}).dtype == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert build_config({}).dtype == "bfloat16"
+    assert build_config({"device": "cpu"}).dtype == "float32"
+
+
+def test_a_resume_on_a_gpu_keeps_the_dtype_a_cpu_run_trained_in(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    assert main(["train", "--no-progress", "--out", str(out), *SMALL, "steps=1"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the same folder, on a GPU
+    assert resumed_config(out, {"steps": 2}).dtype == "float32"
+    # a folder saved while auto was kept unresolved (it re-resolved on every resume) still resumes
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**saved, "dtype": "auto"}))
+    assert resumed_config(out, {"steps": 2}).dtype == "bfloat16"
+
+
+def test_a_run_saved_with_auto_is_the_run_a_grid_plans_with_its_resolution():
+    """The sweep finds a run done and the report groups it with its repeats whether its folder
+    says auto (saved unresolved) or what auto resolved to on this machine."""
+    on_this_machine = build_config({}).to_dict()
+    assert result_settings({**on_this_machine, "dtype": "auto"}) == result_settings(on_this_machine)
+    other = "bfloat16" if on_this_machine["dtype"] == "float32" else "float32"
+    assert result_settings({**on_this_machine, "dtype": other}) != result_settings(on_this_machine)

@@ -18,12 +18,14 @@ from nobubble.config import FIELDS, ConfigError, TrainConfig, check_choice, merg
 from nobubble.corrections import auto
 from nobubble.corrections.registry import CORRECTION_NAMES
 from nobubble.corrections.registry import check as check_corrections
+from nobubble.device import device_type
 from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
+from nobubble.stage_options import auto_dtype
 
 # the names each registry offers, for the settings that name an entry of one
 REGISTRY_NAMES: dict[str, tuple[str, ...]] = {
@@ -49,7 +51,8 @@ def asks_for_auto(layers: Sequence[dict[str, Any]]) -> bool:
 
 def resolve_config(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` checked against the registries, with ``chunks`` resolved to the schedule's
-    default where it is not given and ``correction=auto`` to its choice."""
+    default where it is not given, ``correction=auto`` to its choice and ``dtype=auto`` to what
+    it trains in on this machine (so config.json says it, and a resume elsewhere keeps it)."""
     for key, field in FIELDS.items():
         registry = field.metadata["registry"]
         if registry is not None and registry != "correction":  # a combination: checked below
@@ -60,6 +63,8 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
     problem = spec.chunk_problem(cfg.chunks)
     if problem:
         raise ConfigError(f"chunks={cfg.chunks}: {problem}")
+    if cfg.dtype == "auto":
+        cfg = dataclasses.replace(cfg, dtype=auto_dtype(device_type(cfg.device)))
     cfg = auto.resolve(cfg)
     check_corrections(cfg)
     _check_schedule(cfg)

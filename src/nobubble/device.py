@@ -16,9 +16,17 @@ ALLOC_CONF_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 ALLOC_CONF = "expandable_segments:True"
 
 
+def device_type(name: str) -> str:
+    """The kind of device the ``device`` setting ``name`` trains on here (``auto``: CUDA where
+    there is one), without checking that a named one exists."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name).type
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(device_type(name))
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda was requested but no CUDA device is available; use cpu")
     return torch.device(name)

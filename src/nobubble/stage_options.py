@@ -120,12 +120,20 @@ def check_compilable(device: torch.device) -> None:
         ) from None
 
 
+# what dtype=auto trains in, by device type: bfloat16 on CUDA, float32 elsewhere (a CPU run
+# stays as it was before auto was the default)
+AUTO_DTYPES = {"cuda": "bfloat16"}
+
+
+def auto_dtype(device_type: str) -> str:
+    """What ``dtype=auto`` trains in on a device of type ``device_type``."""
+    return AUTO_DTYPES.get(device_type, "float32")
+
+
 def compute_dtype(dtype: str, device: torch.device) -> str:
-    """What the ``dtype`` setting means on ``device``: ``auto`` is bfloat16 on CUDA and float32
-    elsewhere (a CPU run stays as it was before ``auto`` was the default)."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
+    """What the ``dtype`` setting means on ``device`` (``auto``: :func:`auto_dtype`; a
+    configuration built by :func:`nobubble.configure.build_config` holds it resolved)."""
+    return auto_dtype(device.type) if dtype == "auto" else dtype
 
 
 def wire_dtype(p2p_dtype: str, dtype: str, device: torch.device) -> torch.dtype | None:

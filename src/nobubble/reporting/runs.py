@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config import FIELDS, ConfigError, TrainConfig, coerce, from_saved
+from nobubble.device import device_type
 from nobubble.provenance import machine_in_words
 from nobubble.runfolder.folder import FINISHED, NON_FINITE, RunFolder
 from nobubble.runfolder.reading import (
@@ -33,6 +34,7 @@ from nobubble.runfolder.reading import (
 from nobubble.runfolder.scores import Column, Score, latest_scores
 from nobubble.schedules.registry import SCHEDULES
 from nobubble.settings_read import never_read
+from nobubble.stage_options import auto_dtype
 from nobubble.staleness import DRIFT, STEP_MEASURES
 
 # Settings that name, place or pace a run without changing what it computes: two runs that differ
@@ -71,6 +73,8 @@ def result_settings(config: dict[str, Any]) -> dict[str, Any]:
     default; and ``chunks`` left to the schedule (``null``, as earlier versions saved it) is the
     schedule's."""
     saved = _schedule_chunks(from_saved(config))
+    if saved["dtype"] == "auto":  # saved before auto was resolved: it trains as it would here
+        saved["dtype"] = auto_dtype(device_type(saved["device"]))
     settings = {key: saved[key] for key in FIELDS if key not in NON_RESULT_KEYS}
     # not build_config: a check added since the run was trained must not hide it from reports
     for key in never_read(TrainConfig(**{key: saved[key] for key in FIELDS})):
