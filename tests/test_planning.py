@@ -127,10 +127,10 @@ def test_activation_checkpointing_keeps_block_inputs_and_recomputes_by_hand():
 def test_sharded_traffic_is_a_reduction_and_a_gather_of_the_new_weights():
     p = plan(dp=4)
     share = 3 / 4
-    assert estimate_module.dp_bytes_per_parameter(p) == 2 * share * 4  # ring all-reduce, FP32
+    assert estimate_module.dp_bytes_per_parameter(p, 4) == 2 * share * 4  # ring all-reduce, FP32
     one, two = plan(dp=4, zero=1), plan(dp=4, zero=2)
-    assert estimate_module.dp_bytes_per_parameter(one) == 2 * share * 4 + share * 2  # + BF16
-    assert estimate_module.dp_bytes_per_parameter(two) == share * 4 + share * 2
+    assert estimate_module.dp_bytes_per_parameter(one, 4) == 2 * share * 4 + share * 2  # + BF16
+    assert estimate_module.dp_bytes_per_parameter(two, 4) == share * 4 + share * 2
 
 
 def test_the_allreduce_is_exposed_after_a_flush_and_hidden_under_2bw():

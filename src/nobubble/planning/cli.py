@@ -25,6 +25,7 @@ from nobubble.planning.costs import non_embedding_parameters
 from nobubble.planning.estimate import ClusterPlan, Estimate, estimate, shape_problem
 from nobubble.planning.grid import grid, grid_png, grid_table
 from nobubble.planning.hardware import DEVICES, LINKS, Link
+from nobubble.planning.mesh import Splits, gpus_problem
 from nobubble.planning.shapes import LLAMA3_FAMILY, PLANNING_SHAPES
 from nobubble.planning.target import (
     FIT_COMMAND,
@@ -93,6 +94,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=real(POSITIVE),
         help="memory per GPU to fit in (default: the GPU's)",
     )
+    parser.add_argument(
+        "--tp",
+        type=whole(COUNT),
+        default=1,
+        help="tensor-parallel GPUs per stage, inside one node (Megatron style with sequence "
+        "parallelism: docs/schedules.md; default: 1)",
+    )
+    parser.add_argument(
+        "--ep",
+        type=whole(COUNT),
+        default=1,
+        help="expert-parallel GPUs per MoE block, borrowed from --dp: each holds 1/ep of the "
+        "experts (default: 1)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=whole(COUNT),
+        default=8,
+        help="GPUs a node's links join (default: 8)",
+    )
+    parser.add_argument(
+        "--node-gbps",
+        type=real(GB_PER_S),
+        help="GB/s (one direction) between a node's GPUs (default: the --gpu's NVLink)",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=whole(COUNT),
+        help="check that the plan uses this many GPUs (--stages x --dp x --tp)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--grid",
@@ -151,7 +182,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     device = DEVICES[args.gpu]
     if args.peak_tflops is not None:
         device = dataclasses.replace(device, peak_tflops=args.peak_tflops)
-    return ClusterPlan(
+    plan = ClusterPlan(
         model=model,
         parallel=section_of(ParallelSettings, args),
         microbatch_size=args.microbatch_size,
@@ -161,7 +192,13 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         p2p=_link(LINKS[args.p2p], args.p2p_gbps, args.p2p_latency_us),
         allreduce=_link(LINKS[args.allreduce], args.allreduce_gbps, None),
         activation_checkpointing=args.activation_checkpointing,
+        splits=Splits(tp=args.tp, ep=args.ep, gpus_per_node=args.gpus_per_node),
+        node_link=_link(LINKS[device.node_link], args.node_gbps, None),
     )
+    problem = args.gpus and gpus_problem(plan.parallel.stages, plan.parallel.dp, args.tp, args.gpus)
+    if problem:
+        raise ConfigError(problem)
+    return plan
 
 
 def estimates(plan: ClusterPlan) -> tuple[list[Estimate], dict[str, str]]:
@@ -180,8 +217,9 @@ def largest_fitting(plan: ClusterPlan, schedule: str, limit_gb: float) -> str:
     """The largest of the Llama 3 shapes whose peak memory per GPU under ``schedule`` and the
     rest of ``plan`` fits in ``limit_gb`` ("none" if not even the smallest)."""
     fitting = "none"
-    for name in LLAMA3_FAMILY:
-        shape = dataclasses.replace(plan, model=PLANNING_SHAPES[name])
+    for name in LLAMA3_FAMILY:  # dense: their ep replicas are plain replicas
+        splits = dataclasses.replace(plan.splits, ep=1)
+        shape = dataclasses.replace(plan, model=PLANNING_SHAPES[name], splits=splits)
         if shape_problem(shape, schedule) is None:
             if estimate(shape, schedule).peak_memory_gb > limit_gb:
                 break
@@ -272,6 +310,9 @@ def run(args: argparse.Namespace) -> int:
                 "preset": args.preset, "stages": shape.stages, "microbatches": shape.microbatches,
                 "microbatch_size": plan.microbatch_size, "seq_len": plan.seq_len, "dp": shape.dp,
                 "zero": shape.zero, "activation_checkpointing": plan.activation_checkpointing,
+                "tp": plan.splits.tp, "ep": plan.splits.ep,
+                "gpus_per_node": plan.splits.gpus_per_node, "gpus": plan.gpus,
+                "node_link": dataclasses.asdict(plan.node),
                 "gpu": dataclasses.asdict(plan.device), "mfu": plan.mfu,
                 "p2p": dataclasses.asdict(plan.p2p),
                 "allreduce": dataclasses.asdict(plan.allreduce),
@@ -291,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.device.peak_tflops:g} TFLOP/s at MFU {plan.mfu:g}), M={shape.microbatches} x "
         f"{plan.microbatch_size} x {plan.seq_len} tokens, p2p {plan.p2p.name}, dp all-reduce "
         f"{plan.allreduce.name}, zero={shape.zero}, activation checkpointing "
-        f"{'on' if plan.activation_checkpointing else 'off'}"
+        f"{'on' if plan.activation_checkpointing else 'off'}{splits_words(plan)}"
     )
     if results:
         print(table(results, limit, largest))
@@ -302,6 +343,17 @@ def run(args: argparse.Namespace) -> int:
         print()
         print("\n".join(target_lines(args, plan, target, limit)))
     return 0 if results else 1
+
+
+def splits_words(plan: ClusterPlan) -> str:
+    """The title's words on the splits inside a stage ("" with none)."""
+    splits = plan.splits
+    if splits.tp == 1 and splits.ep == 1:
+        return ""
+    words = f"; {plan.gpus} GPUs: tp={splits.tp} on {plan.node.name} ({plan.node.gb_per_s:g} GB/s)"
+    if splits.ep > 1:
+        words += f", ep={splits.ep} on {plan.ep_link.name} ({plan.ep_link.gb_per_s:g} GB/s)"
+    return words
 
 
 def conclusion(plan: ClusterPlan, results: list[Estimate], limit: float, best: str | None) -> str:

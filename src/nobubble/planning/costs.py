@@ -18,15 +18,21 @@ Memory is counted in bytes per parameter and per activation:
   and recomputes the rest in the backward (one more forward of the blocks; while one block is
   recomputed its 34·s·b·h bytes live, once per stage: ``recompute_bytes``);
 * a message between stages is one activation (or its gradient), s·b·h 16-bit numbers.
+
+Split over ``tp`` GPUs (:func:`per_gpu`, Megatron-style tensor parallelism with sequence
+parallelism: nobubble.planning.mesh) a stage's FLOPs, weights, activations and messages are each
+GPU's 1/tp; its routed experts, split over ``ep`` replicas as well, 1/(tp·ep).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from nobubble.model.flops import block_matmul_weights
 from nobubble.model.partition import flop_costs, partition
 from nobubble.model.presets import ModelConfig
+from nobubble.planning.mesh import Splits
 
 BYTES_PER_WEIGHT_VERSION = 2
 BYTES_GRADIENT = 4  # FP32
@@ -44,11 +50,13 @@ class StageCost:
     head: bool
     forward_flops: float  # per microbatch
     weight_flops: float  # the weight-gradient matmuls of one microbatch (W)
-    parameters: int
+    parameters: float  # every one held, the routed experts' included
     activation_bytes: float  # per microbatch in flight
     message_bytes: float
     recompute_flops: float = 0.0  # activation checkpointing: the blocks' forward, again
     recompute_bytes: float = 0.0  # the activations of the one block being recomputed
+    moe_blocks: int = 0
+    expert_parameters: float = 0.0  # the routed experts' (expert parallelism splits them)
 
 
 def stage_costs(
@@ -73,6 +81,7 @@ def stage_costs(
         matmuls += 2 * d * vocab if spec.has_head else 0
         flops = matmuls + attention_flops * blocks
         params = sum(block_parameters(mc, i) for i in spec.blocks)
+        moe_blocks = sum(mc.is_moe(i) for i in spec.blocks)
         params += d * vocab if spec.has_embed else 0
         if spec.has_head:  # a tied head on another stage than the embedding holds its own copy
             params += d + (0 if mc.tie_embeddings and spec.has_embed else d * vocab)
@@ -93,6 +102,8 @@ def stage_costs(
                 message_bytes=MESSAGE_BYTES * tokens * d,
                 recompute_flops=block_flops if activation_checkpointing else 0.0,
                 recompute_bytes=full if activation_checkpointing and blocks else 0.0,
+                moe_blocks=moe_blocks,
+                expert_parameters=moe_blocks * routed_expert_parameters(mc),
             )
         )
     return costs
@@ -107,6 +118,32 @@ def block_parameters(mc: ModelConfig, block: int) -> int:
         unused = mc.moe_experts - mc.moe_top_k  # experts a token does not meet, held anyway
         held += 3 * d * mc.expert_width * unused + (mc.moe_experts if mc.moe_bias_rate else 0)
     return held
+
+
+def routed_expert_parameters(mc: ModelConfig) -> int:
+    """The routed experts' weights of one MoE block (each a SwiGLU of ``expert_width``)."""
+    return 3 * mc.d_model * mc.expert_width * mc.moe_experts
+
+
+def per_gpu(cost: StageCost, splits: Splits) -> StageCost:
+    """What one GPU of a stage split over ``splits.tp`` GPUs computes and holds: 1/tp of its
+    FLOPs, weights, activations and messages (the attention's q/k/v and the MLP's gate/up split
+    by columns, their outputs and down by rows, the embedding and the head by vocabulary, the
+    norms and residuals by sequence; the norm gains and the router, under 0.01% of a block,
+    counted as split too), and 1/(tp·ep) of its routed experts."""
+    tp = splits.tp
+    experts = cost.expert_parameters / (tp * splits.ep)
+    return dataclasses.replace(
+        cost,
+        forward_flops=cost.forward_flops / tp,
+        weight_flops=cost.weight_flops / tp,
+        parameters=(cost.parameters - cost.expert_parameters) / tp + experts,
+        expert_parameters=experts,
+        activation_bytes=cost.activation_bytes / tp,
+        message_bytes=cost.message_bytes / tp,
+        recompute_flops=cost.recompute_flops / tp,
+        recompute_bytes=cost.recompute_bytes / tp,
+    )
 
 
 def non_embedding_parameters(mc: ModelConfig) -> int:

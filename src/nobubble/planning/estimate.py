@@ -16,6 +16,12 @@ runs behind the next step's compute (2bw, pipedream with dp > 1), the reduced gr
 while the next one accumulates (with ``zero=2`` only this replica's part of it); plus the
 activations of the microbatches in flight.
 
+Splits inside a stage (:mod:`nobubble.planning.mesh`): each GPU computes and holds its 1/tp
+(:func:`nobubble.planning.costs.per_gpu`), its routed experts 1/(tp·ep), and a stage's forward and
+backward take longer by its tensor-parallel all-reduces and expert-parallel all-to-alls
+(:func:`split_comm_s`); the data-parallel reduction of a routed expert runs over the dp/ep
+replicas that hold it.
+
 Up to :data:`EXACT_MICROBATCHES` microbatches (or 40·P) every one of them is simulated. Above,
 a step's simulated timeline repeats with a period of a few microbatches once it has settled
 (:mod:`nobubble.schedules.steady`), so every figure grows by the same amount per period: the
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nobubble.config import ConfigError, zero_problem
@@ -36,9 +43,12 @@ from nobubble.planning.costs import (
     BYTES_GRADIENT,
     BYTES_OPTIMIZER_STATE,
     BYTES_PER_WEIGHT_VERSION,
+    StageCost,
+    per_gpu,
     stage_costs,
 )
-from nobubble.planning.hardware import Device, Link
+from nobubble.planning.hardware import LINKS, Device, Link
+from nobubble.planning.mesh import Splits
 from nobubble.schedules import SimResult, generate, lower, schedule_spec, simulate
 from nobubble.schedules.registry import ScheduleSpec
 from nobubble.schedules.steady import Steady, steady_state
@@ -66,11 +76,32 @@ class ClusterPlan:
     p2p: Link
     allreduce: Link
     activation_checkpointing: bool = False
+    splits: Splits = Splits()
+    node_link: Link | None = None  # between the GPUs of a node; None: the device's
 
     def __post_init__(self) -> None:
-        problem = zero_problem(self.parallel)
+        problem = zero_problem(self.parallel) or self.splits.problem(
+            self.parallel.dp, self.model.moe_experts
+        )
         if problem:
             raise ConfigError(problem)
+
+    @property
+    def node(self) -> Link:
+        """The link a node's GPUs share (tensor parallelism's, and expert parallelism's inside
+        a node)."""
+        return self.node_link or LINKS[self.device.node_link]
+
+    @property
+    def ep_link(self) -> Link:
+        """The link an expert-parallel group's all-to-all runs on: the node's when every group
+        sits inside a node, else the data-parallel link between nodes."""
+        return self.node if self.splits.ep_in_node else self.allreduce
+
+    @property
+    def gpus(self) -> int:
+        """pp × dp × tp."""
+        return self.parallel.stages * self.parallel.dp * self.splits.tp
 
     def shaped(self, **parallel: int) -> ClusterPlan:
         """This plan with ``parallel``'s settings changed (``stages=8, microbatches=32``)."""
@@ -244,43 +275,101 @@ def _figures(plan: ClusterPlan, schedule: str, chunks: int, times: _Times) -> _S
     return third.plus(growth, (m - base) // period - 2)
 
 
-def bytes_per_parameter(plan: ClusterPlan, versions: int, behind_compute: bool) -> float:
-    """What a rank holds per parameter of its stages: ``versions`` BF16 weight copies, the FP32
-    gradient, the optimizer state (1/dp of it with zero > 0) and, where the reduction runs
-    behind the next step's compute (``behind_compute`` with dp > 1), the reduced gradient it
-    holds meanwhile (all of it; 1/dp with zero=2)."""
-    dp = plan.parallel.dp
+def bytes_per_parameter(
+    plan: ClusterPlan, versions: int, behind_compute: bool, replicas: int
+) -> float:
+    """What a rank holds per parameter of its stages that ``replicas`` ranks hold alike (dp,
+    or dp/ep for a routed expert's): ``versions`` BF16 weight copies, the FP32 gradient, the
+    optimizer state (1/replicas of it with zero > 0) and, where the reduction runs behind the
+    next step's compute (``behind_compute`` with replicas > 1), the reduced gradient it holds
+    meanwhile (all of it; 1/replicas with zero=2)."""
     held = BYTES_PER_WEIGHT_VERSION * versions + BYTES_GRADIENT
-    held += BYTES_OPTIMIZER_STATE / (dp if plan.parallel.zero else 1)
-    if behind_compute and dp > 1:
-        held += BYTES_GRADIENT / (dp if plan.parallel.zero == 2 else 1)
+    held += BYTES_OPTIMIZER_STATE / (replicas if plan.parallel.zero else 1)
+    if behind_compute and replicas > 1:
+        held += BYTES_GRADIENT / (replicas if plan.parallel.zero == 2 else 1)
     return held
 
 
-def dp_bytes_per_parameter(plan: ClusterPlan) -> float:
-    """What a rank sends (and receives) per parameter of its stages each step over the
-    data-parallel link: a ring all-reduce of the FP32 gradient, 2(dp-1)/dp of it; with zero=1
-    that and an all-gather of the new BF16 weights, (dp-1)/dp of them; with zero=2 a
-    reduce-scatter, (dp-1)/dp of the gradient, and the all-gather."""
-    share = (plan.parallel.dp - 1) / plan.parallel.dp
+def dp_bytes_per_parameter(plan: ClusterPlan, replicas: int) -> float:
+    """What a rank sends (and receives) each step over the data-parallel link per parameter
+    of its stages that ``replicas`` ranks hold alike: a ring all-reduce of the FP32 gradient,
+    2(r-1)/r of it; with zero=1 that and an all-gather of the new BF16 weights, (r-1)/r of
+    them; with zero=2 a reduce-scatter, (r-1)/r of the gradient, and the all-gather."""
+    share = (replicas - 1) / replicas
     gather = share * BYTES_PER_WEIGHT_VERSION if plan.parallel.zero else 0.0
     reduce = (1 if plan.parallel.zero == 2 else 2) * share * BYTES_GRADIENT
     return reduce + gather
 
 
+def _per_replicas(
+    plan: ClusterPlan, cost: StageCost, per_parameter: Callable[[int], float]
+) -> float:
+    """``per_parameter(replicas)`` summed over one GPU's share of a stage: its dense weights
+    are held by the dp replicas alike, its routed experts by dp/ep of them."""
+    dp = plan.parallel.dp
+    dense = cost.parameters - cost.expert_parameters
+    return dense * per_parameter(dp) + cost.expert_parameters * per_parameter(dp // plan.splits.ep)
+
+
+def tp_all_reduce_s(plan: ClusterPlan, cost: StageCost) -> float:
+    """One ring all-reduce of a stage's activation (s·b·h 16-bit numbers: ``cost`` is the
+    whole stage's) over its tp GPUs on the node's link: latency + 2(tp-1)/tp of its bytes over
+    the bandwidth; 0 at tp = 1. Under sequence parallelism it is a reduce-scatter and an
+    all-gather of the same bytes, counted with one latency."""
+    tp = plan.splits.tp
+    if tp == 1:
+        return 0.0
+    link = plan.node
+    return link.latency_us * 1e-6 + 2 * (tp - 1) / tp * cost.message_bytes / (link.gb_per_s * 1e9)
+
+
+def ep_all_to_all_s(plan: ClusterPlan, cost: StageCost) -> float:
+    """One all-to-all of an MoE block's routed tokens over its ep GPUs (``cost`` is the whole
+    stage's): each GPU sends its 1/tp of the tokens, k copies of each, h 16-bit numbers, of
+    which (ep-1)/ep leave it; latency + those bytes over :attr:`ClusterPlan.ep_link`; 0 at
+    ep = 1. A capacity factor's padding and dropped tokens are not counted."""
+    ep = plan.splits.ep
+    if ep == 1:
+        return 0.0
+    routed = cost.message_bytes / plan.splits.tp * plan.model.moe_top_k
+    link = plan.ep_link
+    return link.latency_us * 1e-6 + (ep - 1) / ep * routed / (link.gb_per_s * 1e9)
+
+
+def split_comm_s(plan: ClusterPlan, cost: StageCost) -> tuple[float, float]:
+    """What the splits inside a stage add to its forward and its backward per microbatch
+    (``cost``: the whole stage's), on the critical path (no overlap with compute modelled):
+    tp all-reduces, 2 per block in the forward (after the attention and after the MLP) and 2
+    in the backward (their inputs' gradients), 1 in the embedding's forward and 1 in the head's
+    backward (vocabulary-parallel); ep all-to-alls, 2 per MoE block each way (dispatch and
+    combine). Activation checkpointing runs the blocks' forward again in the backward, its
+    collectives with it."""
+    ar, a2a = tp_all_reduce_s(plan, cost), ep_all_to_all_s(plan, cost)
+    blocks = 2 * cost.blocks * ar + 2 * cost.moe_blocks * a2a
+    forward = blocks + (ar if cost.embedding else 0.0)
+    backward = blocks + (ar if cost.head else 0.0)
+    return forward, backward + (blocks if plan.activation_checkpointing else 0.0)
+
+
 def estimate(plan: ClusterPlan, schedule: str) -> Estimate:
     spec = schedule_spec(schedule)
     chunks = chunks_of(plan, spec)
-    costs = stage_costs(
+    whole = stage_costs(
         plan.model,
         plan.parallel.stages * chunks,
         plan.seq_len,
         plan.microbatch_size,
         plan.activation_checkpointing,
     )
+    costs = [per_gpu(c, plan.splits) for c in whole]
     flops_per_s = plan.device.peak_tflops * 1e12 * plan.mfu
-    fwd = [c.forward_flops / flops_per_s for c in costs]
-    bwd = [2 * f + c.recompute_flops / flops_per_s for f, c in zip(fwd, costs, strict=True)]
+    split = [split_comm_s(plan, c) for c in whole]
+    compute = [c.forward_flops / flops_per_s for c in costs]
+    fwd = [f + forward for f, (forward, _) in zip(compute, split, strict=True)]
+    bwd = [
+        2 * f + c.recompute_flops / flops_per_s + backward
+        for f, c, (_, backward) in zip(compute, costs, split, strict=True)
+    ]
     wgrad = [c.weight_flops / flops_per_s for c in costs]
     comm = plan.p2p.latency_us * 1e-6 + costs[0].message_bytes / (plan.p2p.gb_per_s * 1e9)
     simulated = _figures(plan, schedule, chunks, _Times(fwd, bwd, wgrad, comm))
@@ -291,7 +380,10 @@ def estimate(plan: ClusterPlan, schedule: str) -> Estimate:
     if plan.parallel.dp > 1:  # pipedream updates, and so communicates, after every microbatch
         per_step = plan.parallel.microbatches if spec.step_per_microbatch else 1
         for r, stages in enumerate(ranks):
-            dp_bytes = dp_bytes_per_parameter(plan) * sum(costs[s].parameters for s in stages)
+            dp_bytes = sum(
+                _per_replicas(plan, costs[s], lambda r: dp_bytes_per_parameter(plan, r))
+                for s in stages
+            )
             dp_s = dp_bytes / (plan.allreduce.gb_per_s * 1e9)
             hidden = 0.0 if spec.flushes else busy[r] / per_step
             exposed = max(exposed, per_step * max(dp_s - hidden, 0.0))
@@ -299,8 +391,13 @@ def estimate(plan: ClusterPlan, schedule: str) -> Estimate:
     memory = []
     for r, stages in enumerate(ranks):
         weights = sum(
-            costs[s].parameters
-            * bytes_per_parameter(plan, simulated.stage_weight_versions[s], not spec.flushes)
+            _per_replicas(
+                plan,
+                costs[s],
+                lambda r, s=s: bytes_per_parameter(
+                    plan, simulated.stage_weight_versions[s], not spec.flushes, r
+                ),
+            )
             for s in stages
         )
         per_activation = sum(costs[s].activation_bytes for s in stages) / len(stages)
