@@ -217,8 +217,10 @@ def largest_fitting(plan: ClusterPlan, schedule: str, limit_gb: float) -> str:
     """The largest of the Llama 3 shapes whose peak memory per GPU under ``schedule`` and the
     rest of ``plan`` fits in ``limit_gb`` ("none" if not even the smallest)."""
     fitting = "none"
-    for name in LLAMA3_FAMILY:  # dense: their ep replicas are plain replicas
-        splits = dataclasses.replace(plan.splits, ep=1)
+    splits = dataclasses.replace(plan.splits, ep=1)  # dense: the ep replicas are plain replicas
+    for name in LLAMA3_FAMILY:
+        if splits.problem(plan.parallel.dp, PLANNING_SHAPES[name]):  # --tp 16: 8 key/value heads
+            break
         shape = dataclasses.replace(plan, model=PLANNING_SHAPES[name], splits=splits)
         if shape_problem(shape, schedule) is None:
             if estimate(shape, schedule).peak_memory_gb > limit_gb:

@@ -80,9 +80,7 @@ class ClusterPlan:
     node_link: Link | None = None  # between the GPUs of a node; None: the device's
 
     def __post_init__(self) -> None:
-        problem = zero_problem(self.parallel) or self.splits.problem(
-            self.parallel.dp, self.model.moe_experts
-        )
+        problem = zero_problem(self.parallel) or self.splits.problem(self.parallel.dp, self.model)
         if problem:
             raise ConfigError(problem)
 

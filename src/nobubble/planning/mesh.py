@@ -11,7 +11,10 @@ is ``ep`` ranks ``tp`` apart, so it sits inside one node when ``ep·tp`` divides
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from nobubble.model.presets import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -24,17 +27,24 @@ class Splits:
     ep: int = 1
     gpus_per_node: int = 8
 
-    def problem(self, dp: int, experts: int) -> str | None:
-        """Why these splits cannot run with ``dp`` replicas of a model with ``experts`` experts
-        per MoE block (0: a dense model), naming the fix; or None."""
+    def problem(self, dp: int, mc: ModelConfig) -> str | None:
+        """Why these splits cannot run with ``dp`` replicas of model ``mc``, naming the fix; or
+        None."""
         if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
             return (
                 f"--tp {self.tp} with --gpus-per-node {self.gpus_per_node}: a tensor-parallel "
                 "group must sit inside one node (it all-reduces after every attention and MLP); "
                 f"use a --tp that divides {self.gpus_per_node}"
             )
+        if mc.n_heads % self.tp or mc.n_kv_heads % self.tp:
+            return (
+                f"--tp {self.tp}: the attention is split by heads, and {mc.n_heads} query and "
+                f"{mc.n_kv_heads} key/value heads do not split evenly; use a --tp that divides "
+                f"{math.gcd(mc.n_heads, mc.n_kv_heads)}"
+            )
         if self.ep == 1:
             return None
+        experts = mc.moe_experts
         if experts == 0:
             return f"--ep {self.ep} splits MoE experts and this model has none; use --ep 1"
         if dp % self.ep or experts % self.ep:
