@@ -178,6 +178,9 @@ def test_gpus_checks_the_plan_and_names_the_dp_that_fits(capsys):
     with pytest.raises(ConfigError) as refused:
         cli(*SMALL, "--tp", "2", "--gpus", "6")
     assert "multiple of --stages x --tp = 4" in str(refused.value)
+    with pytest.raises(ConfigError) as refused:
+        cli(*SMALL, "--gpus", "8", "--grid", "2,4")
+    assert "--gpus" in str(refused.value) and "--grid" in str(refused.value)
     assert cli(*SMALL, "--tp", "2", "--dp", "2", "--gpus", "8", "--node-gbps", "100", "--json") == 0
     data = json.loads(capsys.readouterr().out)["plan"]
     assert (data["tp"], data["ep"], data["gpus"], data["gpus_per_node"]) == (2, 1, 8, 8)

@@ -195,9 +195,12 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         splits=Splits(tp=args.tp, ep=args.ep, gpus_per_node=args.gpus_per_node),
         node_link=_link(LINKS[device.node_link], args.node_gbps, None),
     )
-    problem = args.gpus and gpus_problem(plan.parallel.stages, plan.parallel.dp, args.tp, args.gpus)
-    if problem:
-        raise ConfigError(problem)
+    if args.gpus:
+        if args.grid:
+            raise ConfigError("--gpus checks one plan, not a --grid; leave out one of them")
+        problem = gpus_problem(plan.parallel.stages, plan.parallel.dp, args.tp, args.gpus)
+        if problem:
+            raise ConfigError(problem)
     return plan
 
 
