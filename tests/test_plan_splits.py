@@ -122,6 +122,17 @@ def test_experts_are_split_over_ep_and_reduced_over_the_replicas_that_hold_them(
     assert estimate(p, "1f1b").memory_gb[0] == pytest.approx(held / 1e9)
 
 
+def test_an_experts_gradient_is_reduced_over_the_dp_over_ep_replicas_that_hold_it():
+    # 1f1b waits for it after the step: ring all-reduces of FP32 gradients at 2 MB/s, the dense
+    # weights' over 4 replicas (2·3/4 of 4 bytes), the experts' half over 2 (2·1/2 of 4 bytes)
+    p = plan(Splits(ep=2), MOE, dp=4)
+    sent = [
+        (c.parameters - c.expert_parameters) * 6 + c.expert_parameters / 2 * 4
+        for c in stage_costs(MOE, 4, 32, 2)
+    ]
+    assert estimate(p, "1f1b").exposed_dp_s == pytest.approx(max(sent) / 2e6)
+
+
 def test_ep_adds_its_all_to_alls_on_the_link_its_group_spans():
     cost = stage_costs(MOE, 4, 32, 2)[0]
     in_node = plan(Splits(ep=2, gpus_per_node=8), MOE, dp=4)
@@ -181,6 +192,8 @@ def test_gpus_checks_the_plan_and_names_the_dp_that_fits(capsys):
     with pytest.raises(ConfigError) as refused:
         cli(*SMALL, "--gpus", "8", "--grid", "2,4")
     assert "--gpus" in str(refused.value) and "--grid" in str(refused.value)
+    assert cli(*SMALL, "--tp", "2", "--grid", "2", "--grid-ratios", "1") == 0
+    assert "tp=2 on NVLink 4" in capsys.readouterr().out.splitlines()[0]
     assert cli(*SMALL, "--tp", "2", "--dp", "2", "--gpus", "8", "--node-gbps", "100", "--json") == 0
     data = json.loads(capsys.readouterr().out)["plan"]
     assert (data["tp"], data["ep"], data["gpus"], data["gpus_per_node"]) == (2, 1, 8, 8)

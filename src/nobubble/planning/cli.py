@@ -264,7 +264,7 @@ def run_grid(args: argparse.Namespace, plan: ClusterPlan) -> int:
     points = grid(plan, args.grid, args.grid_ratios)
     title = (
         f"{args.preset}: {plan.device.name} at MFU {plan.mfu:g}, p2p {plan.p2p.gb_per_s:g} GB/s, "
-        f"dp {plan.parallel.dp}"
+        f"dp {plan.parallel.dp}{splits_words(plan)}"
     )
     print(title)
     print(grid_table(points))
