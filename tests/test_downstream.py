@@ -15,7 +15,6 @@ import pytest
 
 from nobubble.cli import build_parser, main
 from nobubble.downstream import harness
-from nobubble.downstream.harness import DownstreamError
 from nobubble.json_files import DamagedFile
 from nobubble.runfolder.scores import Column, latest_scores, write_scores
 from tests.helpers.runs import make_run
@@ -119,12 +118,6 @@ def test_lm_eval_results_become_a_score_file():
     assert (out["step"], out["version"], out["eval_s"]) == (7, 6, 1.235)
     assert out["versions"]["task_versions"] == {"grp_a": 1.0}
     assert out["versions"]["lm_eval"]  # installed with the eval extra
-
-
-def test_without_lm_eval_the_error_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "lm_eval", None)  # makes `import lm_eval` fail
-    with pytest.raises(DownstreamError, match=r"pip install 'nobubble\[eval\]'"):
-        harness.require_lm_eval()
 
 
 def test_an_unknown_task_name_is_named_with_a_guess_and_how_to_list_names():

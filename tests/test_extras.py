@@ -73,7 +73,12 @@ def refused(capsys: pytest.CaptureFixture[str], argv: list[str], package: str) -
 
 @pytest.mark.parametrize(
     ("package", "setting"),
-    [("pytorch_optimizer", "optim=lion"), ("datasets", "data=hf:someone/corpus")],
+    [
+        ("pytorch_optimizer", "optim=lion"),
+        ("datasets", "data=hf:someone/corpus"),
+        ("tensorboard", "logger=tensorboard"),
+        ("wandb", "logger=wandb"),
+    ],
 )
 def test_a_training_setting_whose_package_is_missing_is_refused_before_anything_is_written(
     tmp_path, monkeypatch, capsys, package, setting
@@ -105,6 +110,17 @@ def test_the_pngs_without_matplotlib_name_the_plots_extra(tmp_path, monkeypatch,
     assert "plan --grid --png needs" in refused(capsys, plan, "matplotlib")
     report = ["report", str(runs), "--out", str(tmp_path / "report")]
     assert "drawing the report's figures needs" in refused(capsys, report, "matplotlib")
+
+
+@pytest.mark.parametrize("package", ["lm_eval", "transformers"])
+def test_nobubble_eval_without_lm_eval_or_transformers_names_the_eval_extra(
+    tmp_path, monkeypatch, capsys, package
+):
+    run = make_run(tmp_path, 2.0, name_as="run")
+    hide(monkeypatch, package)
+    argv = ["eval", str(run), "--tasks", "hellaswag"]
+    assert "nobubble eval needs" in refused(capsys, argv, package)
+    assert not (run / "downstream").exists()
 
 
 def test_require_gives_the_module_or_says_which_extra_brings_it():

@@ -157,17 +157,6 @@ def test_a_moe_run_s_summary_line_offers_no_export_which_refuses_moe_models(tmp_
     assert "mixture-of-experts" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
-def test_a_missing_logger_package_is_named_before_anything_is_written(
-    tmp_path, monkeypatch, capsys, logger
-):
-    monkeypatch.setitem(sys.modules, logger, None)  # `import tensorboard` now fails
-    assert main(["train", "--out", str(tmp_path / "r"), *SMALL, f"logger={logger}"]) == 2
-    err = capsys.readouterr().err
-    assert f"logger={logger} needs the {logger} package: pip install 'nobubble[{logger}]'" in err
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_wandb_online_without_an_api_key_is_refused_before_anything_is_written(
     tmp_path, monkeypatch, capsys
 ):

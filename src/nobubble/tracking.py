@@ -10,12 +10,11 @@ model stage s, ``weight_drift/model_stage{s}``. Only the leader opens a logger.
 A resumed run continues the same logger runs: TensorBoard writes into the run folder's ``tb/``
 and drops the events after the checkpoint (``purge_step``), as metrics.jsonl drops its lines;
 W&B resumes the run whose id the run folder keeps in ``wandb.json``. The packages are imported
-only when chosen (``pip install 'nobubble[tensorboard]'`` / ``'nobubble[wandb]'``).
+only when chosen, through :func:`nobubble.config.extras.require` (a missing one names its extra).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import time
@@ -25,12 +24,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nobubble.config import ConfigError, NobubbleWarning, TrainConfig, chosen_loggers
+from nobubble.config.extras import require
 from nobubble.interrupt import Interrupted
 from nobubble.json_files import write_json_atomic
 from nobubble.stage_report import IDENTIFIERS, read_stage_report
 from nobubble.staleness import PER_STAGE
 
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module = extra
 TB_FOLDER = "tb"
 WANDB_ID_FILE = "wandb.json"
 
@@ -39,23 +38,14 @@ def require_loggers(cfg: TrainConfig) -> None:
     """Fail before anything is written if a chosen logger's package is missing, or W&B online
     has no API key (the check reads the key where W&B keeps it: no network, no prompt)."""
     names = chosen_loggers(cfg)
-    for name in names:
-        try:
-            importlib.import_module(PACKAGES[name])
-        except ImportError:
-            raise ConfigError(
-                f"logger={name} needs the {PACKAGES[name]} package: pip install "
-                f"'nobubble[{name}]' (or drop {name} from logger={cfg.logger})"
-            ) from None
-    if "wandb" in names and cfg.wandb_mode == "online":
-        import wandb
-
-        if not wandb.login(verify=False, prompt=False):
-            raise ConfigError(
-                "logger=wandb with wandb_mode=online needs a W&B API key: run `wandb login` or "
-                "set WANDB_API_KEY, or pass wandb_mode=offline (then `wandb sync` the run "
-                "folder's wandb/offline-run-* folders later)"
-            )
+    packages = {name: require(name, f"logger={name}") for name in names}  # module = logger
+    online = "wandb" in names and cfg.wandb_mode == "online"
+    if online and not packages["wandb"].login(verify=False, prompt=False):
+        raise ConfigError(
+            "logger=wandb with wandb_mode=online needs a W&B API key: run `wandb login` or "
+            "set WANDB_API_KEY, or pass wandb_mode=offline (then `wandb sync` the run "
+            "folder's wandb/offline-run-* folders later)"
+        )
 
 
 class Logger(Protocol):

@@ -2,8 +2,9 @@
 
 nobubble imports at the top of its modules, with this exception: a package of an optional extra
 (pyproject.toml's ``[project.optional-dependencies]``) is imported where its feature is entered
-(``data=hf:...``, a ``.parquet`` file, a PNG, ``optim=lion``...), so that nobubble and its default
-path run without it, and a missing one is an error that names the extra to install.
+(``data=hf:...``, a ``.parquet`` file, a PNG, ``optim=lion``, ``logger=wandb``, ``nobubble
+eval``...), so that nobubble and its default path run without it, and a missing one is an error
+that names the extra to install.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "pyarrow": ("pyarrow", "parquet"),
     "matplotlib": ("matplotlib", "plots"),
     "pytorch_optimizer": ("pytorch-optimizer", "optimizers"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "lm_eval": ("lm-eval", "eval"),
+    "transformers": ("transformers", "eval"),  # nobubble eval's; loading an export needs only hf
 }
 
 

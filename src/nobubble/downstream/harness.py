@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from nobubble.config import ConfigError
+from nobubble.config.extras import require
 from nobubble.runfolder.scores import FORMAT
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ class DownstreamError(ConfigError):
     """An evaluation that cannot run; says why and the fix."""
 
 
-INSTALL_HINT = "pip install 'nobubble[eval]'"
 LIST_HINT = (
     "list the task names with `lm-eval ls tasks` (add `--include_path DIR` for a folder of your "
     "own task files)"
@@ -34,15 +34,10 @@ LIST_HINT = (
 
 
 def require_lm_eval() -> None:
-    """A clear error, saying how to install it, when lm-evaluation-harness is missing."""
-    try:
-        import lm_eval  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        raise DownstreamError(
-            f"nobubble eval needs lm-evaluation-harness and transformers ({exc}); "
-            f"install them with: {INSTALL_HINT}"
-        ) from None
+    """A clear error naming the ``eval`` extra when lm-evaluation-harness or transformers is
+    missing (:func:`nobubble.config.extras.require`)."""
+    for module in ("lm_eval", "transformers"):
+        require(module, "nobubble eval")
 
 
 def parse_tasks(text: str) -> list[str]:
