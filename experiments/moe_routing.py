@@ -27,9 +27,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from nobubble.config import names_in
+from nobubble.runfolder.reading import saved_config
+
 
 def load(run: Path) -> tuple[dict, list[dict]] | None:
-    config = json.loads((run / "config.json").read_text())
+    config = saved_config(run)  # any version's config.json, read as nobubble reads it
     if not config.get("moe_experts"):
         return None
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -38,7 +41,7 @@ def load(run: Path) -> tuple[dict, list[dict]] | None:
 
 def label(config: dict) -> tuple[str, str, str]:
     balancer = "bias" if config.get("moe_bias_rate") else "aux loss"
-    setup = config["schedule"] + ("+EF" if config.get("ef") else "")
+    setup = config["schedule"] + ("+EF" if "ef" in names_in(config["correction"]) else "")
     return config["optim"], balancer, setup
 
 

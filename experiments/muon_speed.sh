@@ -24,7 +24,7 @@ for repeat in $(seq "${REPEATS:-2}"); do
         isa_env=(); [ "$isa" = AVX2 ] && isa_env=(ONEDNN_MAX_CPU_ISA=AVX2)
         # shellcheck disable=SC2086  # the settings are words
         env "${isa_env[@]}" OMP_NUM_THREADS=1 "$NOBUBBLE" train --preset tiny $extra $settings \
-            schedule=2bw ef=true steps="${STEPS:-12}" eval_every=0 threads=1 --out "$run" > "$run.log" 2>&1 ||
+            schedule=2bw correction=ef steps="${STEPS:-12}" eval_every=0 threads=1 --out "$run" > "$run.log" 2>&1 ||
             { cat "$run.log"; exit 1; }
         rate=$("$PYTHON" -c 'import json,sys; print(round(json.load(open(sys.argv[1]))["tokens_per_s"]))' "$run/summary.json")
         echo "$model $isa $variant $repeat $rate"

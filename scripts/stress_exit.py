@@ -48,7 +48,7 @@ def hog() -> None:
 
 def command(schedule: str, stages: int, micro: int, optim: str, ef: bool, out: Path) -> list[str]:
     settings = [f"schedule={schedule}", f"stages={stages}", f"microbatches={micro}"]
-    settings += [f"optim={optim}", f"ef={'true' if ef else 'false'}"]
+    settings += [f"optim={optim}", f"correction={'ef' if ef else 'none'}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     return [
         *torchrun,

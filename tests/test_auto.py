@@ -52,7 +52,8 @@ def test_auto_prints_its_choice_and_config_json_records_it(tmp_path, capsys):
     assert len(said) == 1 and all(f in said[0] for f in ("muon", "2bw", "ef", "ef_gamma=1.5"))
     assert CHOICES["muon", "2bw"].runs in printed  # the runs that made the choice, named
     saved = json.loads((out / "config.json").read_text())
-    assert (saved["correction"], saved["ef_gamma"], saved["ef"]) == ("ef", 1.5, False)
+    assert (saved["correction"], saved["ef_gamma"]) == ("ef", 1.5)
+    assert "ef" not in saved  # correction is error feedback's one key
 
     # a resumed run compares the resolved settings: auto again is the same run ...
     assert main(["train", "--no-progress", "--resume", str(out), "steps=4", "correction=auto"]) == 0
@@ -84,7 +85,7 @@ def test_without_a_delay_auto_corrects_nothing(settings):
     ("settings", "message"),
     [
         ({"correction": "auto+predict"}, "combines with nothing; got auto\\+predict"),
-        ({"correction": "auto", "ef": True}, "ef=true adds ef"),
+        ({"correction": "auto", "ef": True}, "combines with nothing; got ef\\+auto"),
         ({"correction": "auto", "ef_gamma": 1.5}, "chooses ef_gamma=2.0 .* ef_gamma=1.5 was given"),
     ],
 )

@@ -130,7 +130,7 @@ def test_pipedream_runs_the_same_microbatches_as_microbatch_sized_steps():
     assert "steps=40" in shape.settings(VARIANTS["pipedream"])
     assert "batch_size=4" in shape.settings(VARIANTS["pipedream"])
     assert "microbatches=1" in shape.settings(VARIANTS["pipedream"])
-    assert "ef=true" in shape.settings(VARIANTS["2bw+ef"])
+    assert "correction=ef" in shape.settings(VARIANTS["2bw+ef"])
 
 
 def test_settings_the_benchmark_controls_are_refused():

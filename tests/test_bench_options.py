@@ -38,7 +38,7 @@ def test_option_sets_expand_our_variants_only():
     assert [v.name for v in variants] == ["2bw+ef", "2bw+ef+ac", "2bw+ef+compile", "torch-1f1b"]
     with_ac = variants[1]
     assert with_ac.plain == "2bw+ef"
-    assert with_ac.extra == ("ef=true", "activation_checkpointing=true")
+    assert with_ac.extra == ("correction=ef", "activation_checkpointing=true")
 
 
 @pytest.mark.parametrize("spec", ["fast", "ac+ac", "", ","])

@@ -45,7 +45,7 @@ SPLITS = {"whole": 1, "2 stages": 2, "3 stages": 3}
 
 
 def _cfg(optim: str, ef: bool):
-    return build_config({**MODEL, "optim": optim, "ef": ef, "lr": 1e-2})
+    return build_config({**MODEL, "optim": optim, "correction": "ef" if ef else "none", "lr": 1e-2})
 
 
 def _model(cfg):
@@ -160,7 +160,14 @@ def test_group_state_that_disagrees_between_shards_is_refused():
 def test_a_new_stage_split_continues_exactly_in_the_simulator(tmp_path):
     """2bw: every stage holds versions t-1 and t, whatever the split. Without clipping (the only
     per-stage rule) a 2-stage and a 4-stage run are the same run."""
-    common = [*CONSTANT, "schedule=2bw", "microbatches=4", "grad_clip=0", "optim=muon", "ef=true"]
+    common = [
+        *CONSTANT,
+        "schedule=2bw",
+        "microbatches=4",
+        "grad_clip=0",
+        "optim=muon",
+        "correction=ef",
+    ]
     assert train(tmp_path / "full", *common, "stages=4", "steps=6") == 0
     assert train(tmp_path / "cut", *common, "stages=2", "steps=3") == 0
     assert resume(tmp_path / "cut", "stages=4", "steps=6") == 0
@@ -223,7 +230,14 @@ def _rewrite_as_format_1(run, step: int) -> None:
 
 
 def test_a_format_1_checkpoint_still_resumes_exactly(tmp_path):
-    common = [*CONSTANT, "schedule=2bw", "microbatches=2", "optim=muon", "ef=true", "stages=2"]
+    common = [
+        *CONSTANT,
+        "schedule=2bw",
+        "microbatches=2",
+        "optim=muon",
+        "correction=ef",
+        "stages=2",
+    ]
     assert train(tmp_path / "full", *common, "steps=6") == 0
     assert train(tmp_path / "cut", *common, "steps=3") == 0
     _rewrite_as_format_1(tmp_path / "cut", 3)
@@ -251,7 +265,7 @@ def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [["optim=adamw", "ef=true"], ["optim=muon", "correction=ef+predict"]],
+    [["optim=adamw", "correction=ef"], ["optim=muon", "correction=ef+predict"]],
     ids=["adamw+ef", "muon+ef+predict"],
 )
 def test_a_checkpoint_continues_exactly_in_the_other_launcher(tmp_path, extra):
@@ -286,7 +300,7 @@ def test_an_interleaved_pipeline_checkpoint_continues_exactly_in_one_process(tmp
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "optim",
-    [["optim=adamw", "ef=true"], pytest.param(["optim=muon"], marks=EXTENDED)],
+    [["optim=adamw", "correction=ef"], pytest.param(["optim=muon"], marks=EXTENDED)],
     ids=["adamw+ef", "muon"],
 )
 def test_a_2bw_pipeline_checkpoint_continues_exactly_on_twice_the_stages(tmp_path, optim):

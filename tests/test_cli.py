@@ -148,7 +148,7 @@ def test_an_unknown_flag_among_key_value_words_is_still_refused(capsys):
 UNUSED = [
     ({"ef_gamma": 5.0}, False, {"ef_gamma"}),
     ({"ef_gamma": 5.0, "correction": "ef+predict", "schedule": "2bw"}, False, set()),
-    ({"ef_gamma": 5.0, "ef": True}, False, set()),
+    ({"ef_gamma": 5.0, "correction": "ef"}, False, set()),
     ({"nesterov": True}, False, {"nesterov"}),
     ({"nesterov": False, "optim": "muon"}, False, set()),
     ({"nesterov": True, "optim": "sgd", "momentum": 0.0}, False, {"nesterov"}),

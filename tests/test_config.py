@@ -18,7 +18,6 @@ from nobubble.config import (
     parse_overrides,
 )
 from nobubble.configure import build_config
-from nobubble.runfolder.folder import run_name
 
 
 def test_defaults_are_valid():
@@ -35,8 +34,16 @@ def test_layers_apply_in_order():
 
 
 def test_overrides_parse_toml_values_and_bare_strings():
-    got = parse_overrides(["lr=1e-3", "ef=true", "optim=muon", "stage_layers=[1, 3]", "out=none"])
-    assert got == {"lr": 1e-3, "ef": True, "optim": "muon", "stage_layers": [1, 3], "out": None}
+    got = parse_overrides(
+        ["lr=1e-3", "nesterov=true", "optim=muon", "stage_layers=[1, 3]", "out=none"]
+    )
+    assert got == {
+        "lr": 1e-3,
+        "nesterov": True,
+        "optim": "muon",
+        "stage_layers": [1, 3],
+        "out": None,
+    }
     assert parse_overrides(["batch-size=8"]) == {"batch_size": 8}
 
 
@@ -58,7 +65,8 @@ def test_toml_file_with_sections(tmp_path):
         ({"steps": "many"}, "steps must be a whole number"),
         ({"steps": 0}, "steps must be positive"),
         ({"lr": True}, "lr must be a number"),
-        ({"ef": "maybe"}, "ef must be true or false"),
+        ({"nesterov": "maybe"}, "nesterov must be true or false"),
+        ({"ef": "maybe"}, "ef must be true or false"),  # the old key, read (and checked) still
         ({"batch_size": 10, "microbatches": 4}, "not divisible"),
         ({"schedule": "2bw", "stages": 4, "microbatches": 2, "batch_size": 8}, "M >= P|>= stages"),
         ({"schedule": "pipedream", "stages": 2, "microbatches": 2}, "microbatches=1"),
@@ -203,13 +211,11 @@ def test_no_float_key_accepts_a_non_finite_value(key, value):
         assert math.isfinite(getattr(cfg, key))
 
 
-def test_corrections_parse_combine_and_ef_is_an_alias():
+def test_corrections_parse_and_combine():
     from nobubble.corrections.registry import chosen
 
     assert chosen(build_config({})) == ()
     assert chosen(build_config({"correction": "ef"})) == ("ef",)
-    assert chosen(build_config({"ef": True})) == ("ef",)
-    assert run_name(build_config({"correction": "ef"})) == run_name(build_config({"ef": True}))
     for bad, message in [
         ("ef+dc", "both change the update"),
         ("ef+ef", "names a correction twice"),
@@ -217,8 +223,6 @@ def test_corrections_parse_combine_and_ef_is_an_alias():
     ]:
         with pytest.raises(ConfigError, match=message):
             build_config({"correction": bad})
-    with pytest.raises(ConfigError, match=r"ef and nesterov both .* \(ef=true adds ef\)"):
-        chosen(TrainConfig(correction="nesterov", ef=True))
 
 
 def test_a_saved_config_without_a_key_reads_as_what_it_meant_when_saved():

@@ -40,9 +40,9 @@ CASES = [
     # sync runs as 1f1b: another IR, the same semantics
     pytest.param(2, "gpipe", 2, ["optim=muon"], marks=EXTENDED),
     pytest.param(2, "2bw", 2, ["optim=adamw"], marks=EXTENDED),  # the ef case's path, less EF
-    (2, "2bw", 2, ["optim=adamw", "ef=true"]),
+    (2, "2bw", 2, ["optim=adamw", "correction=ef"]),
     (2, "2bw", 2, ["optim=muon", "p2p_routes=per-edge"]),  # NCCL's routes, per replica
-    pytest.param(2, "2bw", 2, ["optim=muon", "ef=true"], marks=EXTENDED),
+    pytest.param(2, "2bw", 2, ["optim=muon", "correction=ef"], marks=EXTENDED),
     (2, "pipedream", 1, ["optim=adamw"]),
     # SGD without clipping moves with the gradient's scale, which AdamW and Muon barely notice: a
     # gradient not divided by dp is caught here

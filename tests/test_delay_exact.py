@@ -43,14 +43,14 @@ def test_pipedream_gives_stage_s_a_delay_of_p_minus_1_minus_s():
 def test_error_feedback_on_sgd_sync():
     # Δ[t] = 0.5·w[t]; w[t+1] = w[t] - Δ[t] - (Δ[t] - Δ[t-1]), Δ[-1] = 0
     # w1 = 1 - .5 - .5 = 0; Δ1 = 0: w2 = 0 - 0 - (0 - .5) = .5; Δ2 = .25: w3 = .5 - .25 - .25 = 0
-    assert column(run_steps(scalar_trainer([0], ef=True), 3), 0) == [1.0, 0.0, 0.5, 0.0]
+    assert column(run_steps(scalar_trainer([0], correction="ef"), 3), 0) == [1.0, 0.0, 0.5, 0.0]
 
 
 def test_error_feedback_with_gamma_on_sgd_2bw():
     # Δ[t] = 0.5·w[t-1]; w[t+1] = w[t] - Δ[t] - 0.5·(Δ[t] - Δ[t-1])
     # Δ0 = .5: w1 = 1 - .5 - .25 = .25; Δ1 = .5: w2 = .25 - .5 - 0 = -.25
     # Δ2 = .5·w1 = .125: w3 = -.25 - .125 - .5·(.125 - .5) = -.1875
-    got = column(run_steps(scalar_trainer([1], ef=True, ef_gamma=0.5), 3), 0)
+    got = column(run_steps(scalar_trainer([1], correction="ef", ef_gamma=0.5), 3), 0)
     assert got == [1.0, 0.25, -0.25, -0.1875]
 
 

@@ -29,13 +29,15 @@ def test_plain_sgd_literal_numbers() -> None:
     #   t=0: w' = 1 - 0.2 = 0.8,       Δ = 0.2,   w1 = 0.8 - (0.2 - 0)      = 0.6
     #   t=1: w' = 0.6 - 0.12 = 0.48,   Δ = 0.12,  w2 = 0.48 - (0.12 - 0.2)  = 0.56
     #   t=2: w' = 0.56 - 0.112 = 0.448, Δ = 0.112, w3 = 0.448 - (0.112 - 0.12) = 0.456
-    cfg = TrainConfig(optim="sgd", lr=0.1, momentum=0.0, ef=True, ef_gamma=1.0)
+    cfg = TrainConfig(optim="sgd", lr=0.1, momentum=0.0, correction="ef", ef_gamma=1.0)
     assert _quadratic_run(cfg, 1.0, 2.0, 3) == pytest.approx(0.456, abs=1e-15)
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.5])
 def test_sgd_momentum_matches_formula(gamma: float) -> None:
-    cfg = TrainConfig(optim="sgd", lr=0.1, momentum=0.9, nesterov=False, ef=True, ef_gamma=gamma)
+    cfg = TrainConfig(
+        optim="sgd", lr=0.1, momentum=0.9, nesterov=False, correction="ef", ef_gamma=gamma
+    )
     w, buf, prev = 1.0, 0.0, 0.0
     for t in range(4):
         g = 2.0 * w
@@ -46,7 +48,7 @@ def test_sgd_momentum_matches_formula(gamma: float) -> None:
 
 
 def test_adamw_matches_formula() -> None:
-    cfg = TrainConfig(optim="adamw", lr=0.05, beta1=0.8, beta2=0.9, eps=1e-3, ef=True)
+    cfg = TrainConfig(optim="adamw", lr=0.05, beta1=0.8, beta2=0.9, eps=1e-3, correction="ef")
     w, m, v, prev = 1.5, 0.0, 0.0, 0.0
     for t in range(1, 5):
         g = 3.0 * w
@@ -59,7 +61,7 @@ def test_adamw_matches_formula() -> None:
 
 def test_gamma_zero_is_the_base_optimizer() -> None:
     base = TrainConfig(optim="adamw", lr=0.05)
-    wrapped = TrainConfig(optim="adamw", lr=0.05, ef=True, ef_gamma=0.0)
+    wrapped = TrainConfig(optim="adamw", lr=0.05, correction="ef", ef_gamma=0.0)
     assert _quadratic_run(wrapped, 1.0, 2.0, 5) == _quadratic_run(base, 1.0, 2.0, 5)
 
 
@@ -86,7 +88,7 @@ def _clone(state: dict) -> dict:
 def test_composes_with_every_optimizer(optim: str) -> None:
     """Each EF step equals: step a twin of the base optimizer, then apply the formula."""
     gamma = 0.7
-    cfg = TrainConfig(optim=optim, lr=1e-2, ef=True, ef_gamma=gamma)
+    cfg = TrainConfig(optim=optim, lr=1e-2, correction="ef", ef_gamma=gamma)
     named = _named_params()
     params = [p for _, p in named]
     opt = build_stage_optimizer(named, cfg, delay=1)
@@ -98,7 +100,9 @@ def test_composes_with_every_optimizer(optim: str) -> None:
             p.grad = torch.randn(p.shape, generator=gen)
         twin_named = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in named]
         twin_params = [p for _, p in twin_named]
-        twin_base = build_stage_optimizer(twin_named, dataclasses.replace(cfg, ef=False), delay=1)
+        twin_base = build_stage_optimizer(
+            twin_named, dataclasses.replace(cfg, correction="none"), delay=1
+        )
         twin_base.load_state_dict(_clone(opt.base.state_dict()))
         for twin, p in zip(twin_params, params, strict=True):
             twin.grad = p.grad.clone()
@@ -115,7 +119,7 @@ def test_state_dict_holds_one_buffer_per_parameter() -> None:
     """Each parameter's buffer is its Δ[0], known from the weights alone: at γ = 1 and
     Δ[-1] = 0 the first step is w[1] = w[0] - 2·Δ[0]."""
     named = _named_params()
-    opt = build_stage_optimizer(named, TrainConfig(optim="sgd", lr=0.1, ef=True), delay=1)
+    opt = build_stage_optimizer(named, TrainConfig(optim="sgd", lr=0.1, correction="ef"), delay=1)
     for _, p in named:
         p.grad = torch.ones_like(p)
     ordered = [p for group in opt.param_groups for p in group["params"]]
@@ -128,7 +132,9 @@ def test_state_dict_holds_one_buffer_per_parameter() -> None:
         assert delta.abs().max() > 0  # the step moved every parameter
         torch.testing.assert_close(state["prev_delta"][i], delta, rtol=1e-6, atol=0)
     fresh_named = _named_params()
-    fresh = build_stage_optimizer(fresh_named, TrainConfig(optim="sgd", lr=0.1, ef=True), delay=1)
+    fresh = build_stage_optimizer(
+        fresh_named, TrainConfig(optim="sgd", lr=0.1, correction="ef"), delay=1
+    )
     fresh.load_state_dict(_clone(state))
     fresh_ordered = [p for group in fresh.param_groups for p in group["params"]]
     for p, q in zip(ordered, fresh_ordered, strict=True):
@@ -138,7 +144,7 @@ def test_state_dict_holds_one_buffer_per_parameter() -> None:
 def test_loading_a_state_dict_without_buffers_says_why() -> None:
     named = _named_params()
     plain = build_stage_optimizer(named, TrainConfig(optim="sgd"), delay=1)
-    wrapped = build_stage_optimizer(named, TrainConfig(optim="sgd", ef=True), delay=1)
+    wrapped = build_stage_optimizer(named, TrainConfig(optim="sgd", correction="ef"), delay=1)
     with pytest.raises(ValueError, match="without correction=ef"):
         wrapped.load_state_dict(plain.state_dict())
 
@@ -146,7 +152,7 @@ def test_loading_a_state_dict_without_buffers_says_why() -> None:
 def test_step_without_gradients_changes_nothing() -> None:
     named = _named_params()
     before = [p.detach().clone() for _, p in named]
-    opt = build_stage_optimizer(named, TrainConfig(optim="adamw", ef=True), delay=1)
+    opt = build_stage_optimizer(named, TrainConfig(optim="adamw", correction="ef"), delay=1)
     opt.step()
     assert all(torch.equal(p, b) for (_, p), b in zip(named, before, strict=True))
     assert opt.prev_delta == {}

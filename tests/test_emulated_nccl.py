@@ -45,7 +45,7 @@ CASES = [
     (2, "zb-h2", 4, ["optim=adamw"]),
     (2, "interleaved-1f1b", 4, ["optim=adamw", "tie_embeddings=true"]),
     pytest.param(2, "gpipe", 4, ["optim=adamw"], marks=EXTENDED),
-    pytest.param(2, "2bw", 4, ["optim=adamw", "ef=true"], marks=EXTENDED),
+    pytest.param(2, "2bw", 4, ["optim=adamw", "correction=ef"], marks=EXTENDED),
     pytest.param(2, "pipedream", 1, ["optim=adamw"], marks=EXTENDED),
     pytest.param(2, "zb-h1", 4, ["optim=adamw"], marks=EXTENDED),
     (4, "2bw", 8, ["optim=adamw", "tie_embeddings=true"]),

@@ -14,7 +14,7 @@ from tests.helpers.runs import LONG, steps_logged, wait_until
 
 pytestmark = pytest.mark.slow
 
-PIPE = ["schedule=2bw", "ef=true", "stages=2", "microbatches=2"]
+PIPE = ["schedule=2bw", "correction=ef", "stages=2", "microbatches=2"]
 
 
 # make test sends the signal to torchrun (as a scheduler does); the one-process engine's stop
@@ -33,7 +33,7 @@ def test_sigterm_saves_the_step_in_flight_and_resume_is_exact(
 ):
     """torchrun forwards a signal to every stage; one sent to the last stage alone (as when one
     node of a job is preempted) reaches rank 0 as that stage's stop vote."""
-    settings = [*LONG, *(PIPE if stages else ["schedule=2bw", "ef=true", "microbatches=2"])]
+    settings = [*LONG, *(PIPE if stages else ["schedule=2bw", "correction=ef", "microbatches=2"])]
     proc = in_background(tmp_path / "cut", *settings, stages=stages)
     wait_until(lambda: steps_logged(tmp_path / "cut") >= 25)
     os.kill(workers(proc.pid)[1] if target == "last stage only" else proc.pid, signal.SIGTERM)

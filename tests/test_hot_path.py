@@ -140,7 +140,7 @@ MOE = ["moe_experts=4", "moe_top_k=2", "moe_d_ff=32", "moe_layers=[1, 2]", "moe_
 CASES = [
     # (processes, settings)
     pytest.param(2, ["schedule=1f1b", "stages=2", "microbatches=4"], id="1f1b"),
-    pytest.param(2, ["schedule=2bw", "stages=2", "microbatches=4", "ef=true"], id="2bw"),
+    pytest.param(2, ["schedule=2bw", "stages=2", "microbatches=4", "correction=ef"], id="2bw"),
     pytest.param(2, ["schedule=zb-h2", "stages=2", "microbatches=4"], id="zb-h2"),
     pytest.param(
         2,

@@ -66,7 +66,7 @@ def test_set_lr_sets_every_group_of_a_composite_and_respects_lr_scale() -> None:
         ("blocks.0.attn.wq.weight", torch.nn.Parameter(torch.zeros(4, 4))),
         ("norm.weight", torch.nn.Parameter(torch.ones(4))),
     ]
-    opt = build_stage_optimizer(named, TrainConfig(optim="muon", ef=True), delay=1)
+    opt = build_stage_optimizer(named, TrainConfig(optim="muon", correction="ef"), delay=1)
     assert len(opt.param_groups) == 2
     opt.param_groups[1]["lr_scale"] = 0.5
     set_lr(opt, 0.25)

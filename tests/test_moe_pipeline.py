@@ -19,8 +19,8 @@ def routing(run) -> list[dict]:
 CASES = [
     # (stages, schedule, microbatches, extra settings)
     (2, "1f1b", 2, ["optim=adamw"]),
-    (2, "2bw", 2, ["optim=muon", "ef=true"]),
-    (4, "2bw", 4, ["optim=adamw", "ef=true", "moe_capacity_factor=1.0"]),
+    (2, "2bw", 2, ["optim=muon", "correction=ef"]),
+    (4, "2bw", 4, ["optim=adamw", "correction=ef", "moe_capacity_factor=1.0"]),
     (4, "gpipe", 4, ["optim=muon"]),
     # bfloat16: the experts run on the grouped GEMM (docs/moe.md, "Dispatch"); float32 hand-offs,
     # so that the pipeline rounds nothing the one-process engine does not
@@ -56,7 +56,7 @@ def test_moe_pipeline_matches_the_simulation(tmp_path, stages, schedule, micro, 
 def test_a_pipeline_moe_run_resumes_exactly_with_its_balance_biases(tmp_path):
     """The balance bias is versioned with the weights: a 2bw pipeline cut at step 3 and resumed
     holds both versions of it and continues as the uninterrupted run."""
-    common = ["schedule=2bw", "stages=2", "microbatches=2", "optim=adamw", "ef=true", *MOE]
+    common = ["schedule=2bw", "stages=2", "microbatches=2", "optim=adamw", "correction=ef", *MOE]
     common += ["lr_schedule=constant", "eval_every=3"]
     nobubble(tmp_path / "full", *common, "steps=6", stages=2)
     nobubble(tmp_path / "cut", *common, "steps=3", stages=2)

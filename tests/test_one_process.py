@@ -55,7 +55,7 @@ def test_sync_is_bit_identical_to_a_plain_training_loop(tiny_mc, optim):
 
 @pytest.mark.parametrize(("optim", "ef"), [("adamw", False), ("adamw", True), ("muon", True)])
 def test_2bw_matches_a_loop_that_keeps_the_previous_model(tiny_mc, optim, ef):
-    cfg = config(optim=optim, schedule="2bw", ef=ef)
+    cfg = config(optim=optim, schedule="2bw", correction="ef" if ef else "none")
     data = batches(tiny_mc, cfg)
     losses, weights = run_engine(cfg, tiny_mc, data)
 

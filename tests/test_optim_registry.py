@@ -179,7 +179,7 @@ def test_every_optimizer_fits_a_fixed_batch_on_tiny(optim: str, ef: bool) -> Non
     torch.manual_seed(0)
     tokens = torch.randint(0, TINY.vocab_size, (2, 33))
     model = build_model(TINY)
-    cfg = TrainConfig(optim=optim, lr=FIT_LR.get(optim, 3e-3), ef=ef)
+    cfg = TrainConfig(optim=optim, lr=FIT_LR.get(optim, 3e-3), correction="ef" if ef else "none")
     opt = build_stage_optimizer(list(model.named_parameters()), cfg, delay=1)
     assert isinstance(opt, ErrorFeedback) == ef
     losses = []
@@ -203,7 +203,7 @@ def _set_grads(named: list, step: int) -> None:
 @pytest.mark.parametrize("ef", [False, True], ids=["base", "ef"])
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 def test_stage_subsets_update_like_the_whole_model(optim: str, ef: bool) -> None:
-    cfg = TrainConfig(optim=optim, lr=1e-2, ef=ef)
+    cfg = TrainConfig(optim=optim, lr=1e-2, correction="ef" if ef else "none")
     whole, staged = build_model(SMALL), build_model(SMALL)
     whole_named = list(whole.named_parameters())
     staged_named = list(staged.named_parameters())
@@ -231,7 +231,7 @@ def _roundtrip(state: dict) -> dict:
 @pytest.mark.parametrize("ef", [False, True], ids=["base", "ef"])
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 def test_state_dict_resume_equals_uninterrupted_training(optim: str, ef: bool) -> None:
-    cfg = TrainConfig(optim=optim, lr=1e-2, ef=ef)
+    cfg = TrainConfig(optim=optim, lr=1e-2, correction="ef" if ef else "none")
     model = build_model(SMALL)
     named = list(model.named_parameters())
     opt = build_stage_optimizer(named, cfg, delay=1)

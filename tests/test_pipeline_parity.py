@@ -17,8 +17,8 @@ CASES = [
     # (stages, schedule, microbatches, extra settings)
     pytest.param(2, "1f1b", 2, ["optim=adamw"], marks=EXTENDED),
     pytest.param(2, "2bw", 2, ["optim=adamw"], marks=EXTENDED),  # the ef case's path, less EF
-    (2, "2bw", 2, ["optim=adamw", "ef=true"]),
-    pytest.param(2, "2bw", 4, ["optim=muon", "ef=true"], marks=EXTENDED),
+    (2, "2bw", 2, ["optim=adamw", "correction=ef"]),
+    pytest.param(2, "2bw", 4, ["optim=muon", "correction=ef"], marks=EXTENDED),
     # Newton–Schulz in bfloat16 here and float32 in the interleaved case below, whatever the
     # CPU (auto's choice depends on it); the other Muon cases take auto
     (2, "pipedream", 1, ["optim=muon", "muon_ns_dtype=bfloat16"]),
@@ -37,8 +37,8 @@ CASES = [
     ),
     pytest.param(4, "gpipe", 4, ["optim=muon"], marks=EXTENDED),
     pytest.param(4, "2bw", 4, ["optim=muon"], marks=EXTENDED),
-    pytest.param(4, "2bw", 4, ["optim=adamw", "ef=true"], marks=EXTENDED),
-    (4, "pipedream", 1, ["optim=adamw", "ef=true"]),
+    pytest.param(4, "2bw", 4, ["optim=adamw", "correction=ef"], marks=EXTENDED),
+    (4, "pipedream", 1, ["optim=adamw", "correction=ef"]),
     # the other delay corrections (docs/corrections.md); dc's λ large enough to move float32
     (2, "2bw", 2, ["optim=adamw", "correction=nesterov"]),
     (2, "2bw", 2, ["optim=adamw", "correction=dc", "dc_lambda=1000"]),
@@ -73,7 +73,7 @@ def test_pipeline_matches_the_simulation(tmp_path, stages, schedule, micro, extr
 @pytest.mark.parametrize("optim", OTHER_OPTIMIZERS)
 def test_every_optimizer_runs_the_real_pipeline_exactly(tmp_path, optim):
     settings = ["schedule=2bw", "stages=2", "microbatches=2", "steps=4", "eval_every=0"]
-    settings += [f"optim={optim}", "ef=true"]
+    settings += [f"optim={optim}", "correction=ef"]
     nobubble(tmp_path / "pipeline", *settings, stages=2)
     nobubble(tmp_path / "simulated", *settings)
     assert_same_run(tmp_path / "pipeline", tmp_path / "simulated")

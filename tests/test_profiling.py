@@ -101,7 +101,7 @@ def test_every_pipeline_stage_traces_its_actions_and_waits(tmp_path):
     The same run (with EF and activation checkpointing) is the pipeline's activation
     checkpointing test: it must equal the plain simulation bit for bit, profiled or not."""
     run, plain = tmp_path / "run", tmp_path / "plain"
-    settings = [*SETTINGS[len(SMALL) :], "ef=true", "steps=3"]
+    settings = [*SETTINGS[len(SMALL) :], "correction=ef", "steps=3"]
     nobubble(run, *settings, "activation_checkpointing=true", "profile_steps=3:3", stages=2)
     main(["train", "--no-progress", "--out", str(plain), *SMALL, *settings])
     assert_same_run(run, plain)

@@ -40,9 +40,12 @@ def runs_dir(tmp_path: Path) -> Path:
     root = tmp_path / "runs"
     for optim, table in (("adamw", ADAMW), ("muon", MUON)):
         for setup, losses in table.items():
-            schedule, ef = setup.removesuffix("+EF"), setup.endswith("+EF")
+            schedule = setup.removesuffix("+EF")
+            correction = "ef" if setup.endswith("+EF") else "none"
             for seed, loss in enumerate(losses):
-                make_run(root, loss, optim=optim, schedule=schedule, ef=ef, seed=seed)
+                make_run(
+                    root, loss, optim=optim, schedule=schedule, correction=correction, seed=seed
+                )
     make_run(root, 2.6, optim="adamw", schedule="pipedream", stages=4)
     make_run(root, 9.9, finished=False, optim="lion")
     return root
@@ -132,7 +135,7 @@ def test_every_correction_is_compared_with_its_plain_delayed_run(tmp_path):
     make_run(tmp_path, 2.4, schedule="2bw")
     make_run(tmp_path, 2.1, schedule="2bw", correction="nesterov", nesterov_gamma=0.5)
     make_run(tmp_path, 2.3, schedule="2bw", correction="dc", dc_lambda=1.0)
-    make_run(tmp_path, 2.2, schedule="2bw", ef=True, correction="predict")
+    make_run(tmp_path, 2.2, schedule="2bw", correction="ef+predict")
     runs, _ = discover([tmp_path])
     rows = {row.group.setup: row for row in compare(group_runs(runs))}
     assert rows["sync"].group.is_baseline and not rows["sync+nesterov"].group.is_baseline
@@ -154,7 +157,7 @@ def test_a_dense_run_beside_moe_runs_is_labelled_dense(tmp_path):
 
 def test_faster_run_speed_up(tmp_path):
     make_run(tmp_path, 2.0, schedule="1f1b", stages=2, microbatches=2)
-    fast = make_run(tmp_path, 1.5, schedule="2bw", stages=2, microbatches=2, ef=True)
+    fast = make_run(tmp_path, 1.5, schedule="2bw", stages=2, microbatches=2, correction="ef")
     runs, _ = discover([tmp_path])
     rows = compare(group_runs(runs))
     assert rows[1].closed is None and not rows[1].closed_unclear  # no 2bw run without EF
@@ -298,7 +301,7 @@ def test_diverged_seeds_count_as_an_infinite_loss(tmp_path):
     root = tmp_path / "runs"
     for seed, loss in enumerate(ADAMW["sync"]):
         make_run(root, loss, optim="adamw", schedule="sync", seed=seed)
-        make_run(root, loss + 0.1, optim="adamw", schedule="2bw", ef=True, seed=seed)
+        make_run(root, loss + 0.1, optim="adamw", schedule="2bw", correction="ef", seed=seed)
         make_run(root, loss, optim="muon", schedule="2bw", seed=seed)
     for seed in (0, 1):
         make_run(root, 2.5, optim="adamw", schedule="2bw", seed=seed)
@@ -371,8 +374,8 @@ def test_each_correction_against_its_control_without_a_delay(tmp_path, capsys):
     make_run(tmp_path, 2.0, schedule="sync")
     make_run(tmp_path, 2.05, schedule="sync", correction="ef", ef_gamma=1.5)  # spelled apart
     make_run(tmp_path, 2.4, schedule="2bw")
-    make_run(tmp_path, 2.15, schedule="2bw", ef=True, ef_gamma=1.5)
-    make_run(tmp_path, 2.3, schedule="2bw", ef=True)  # no control at γ = 1: no row
+    make_run(tmp_path, 2.15, schedule="2bw", correction="ef", ef_gamma=1.5)
+    make_run(tmp_path, 2.3, schedule="2bw", correction="ef")  # no control at γ = 1: no row
     assert call(report, str(tmp_path), "--out", str(tmp_path / "out")) == 0
     text = (tmp_path / "out" / "report.md").read_text()
     table = text.split("## Corrections against their controls without a delay")[1]
@@ -390,10 +393,10 @@ def test_delayed_groups_against_the_references_at_the_default_settings(tmp_path)
     at the reference values, and one whose reference sync is missing (lr 1e-2), get no row."""
     make_run(tmp_path, 2.0, schedule="sync")
     make_run(tmp_path, 2.4, schedule="2bw")
-    make_run(tmp_path, 2.2, schedule="2bw", ef=True)
+    make_run(tmp_path, 2.2, schedule="2bw", correction="ef")
     make_run(tmp_path, 1.9, schedule="sync", beta1=0.8)
     make_run(tmp_path, 2.3, schedule="2bw", beta1=0.8)
-    make_run(tmp_path, 2.1, schedule="2bw", ef=True, ef_gamma=2.0, beta1=0.8)
+    make_run(tmp_path, 2.1, schedule="2bw", correction="ef", ef_gamma=2.0, beta1=0.8)
     make_run(tmp_path, 2.3, schedule="2bw", beta1=0.8, lr=1e-2)
     out = tmp_path / "out"
     assert call(report, str(tmp_path), "--out", str(out), "--reference", "beta1=0.9") == 0
@@ -432,7 +435,7 @@ def test_staleness_beside_the_gap_and_their_rank_correlation(tmp_path):
     stages with a delay (None: the last stage of pipedream)."""
     make_run(tmp_path, 2.0, schedule="sync")
     plain = make_run(tmp_path, 2.4, schedule="2bw", drift=([0.02, 0.04], [0.01, 0.01]))
-    ef = make_run(tmp_path, 2.2, schedule="2bw", ef=True, drift=([0.01], [0.01]))
+    ef = make_run(tmp_path, 2.2, schedule="2bw", correction="ef", drift=([0.01], [0.01]))
     make_run(tmp_path, 2.6, schedule="pipedream", stages=3, drift=([0.05, 0.03, None], [0.04]))
     folder = make_run(tmp_path, 2.3, schedule="2bw", correction="predict", drift=([0.02], [0.02]))
     for run, cosines in ((folder, [0.8, 0.6]), (plain, [0.9]), (ef, [0.4, 0.6])):
@@ -461,7 +464,7 @@ def test_the_applied_step_error_beside_the_gap_and_its_rank_correlation(tmp_path
     lines = {
         make_run(tmp_path, 2.0, schedule="sync"): [([0.0, 0.0], [1.0, 1.0])],
         make_run(tmp_path, 2.4, schedule="2bw"): [([0.3, 0.5], [0.9, 0.8]), ([0.2], [0.9])],
-        make_run(tmp_path, 2.2, schedule="2bw", ef=True): [([0.2], [0.95])],
+        make_run(tmp_path, 2.2, schedule="2bw", correction="ef"): [([0.2], [0.95])],
         make_run(tmp_path, 2.3, schedule="2bw", correction="predict"): [([0.1], [0.7])],
     }
     for run, measured in lines.items():

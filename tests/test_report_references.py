@@ -33,7 +33,7 @@ def study(root: Path, ef_machine: dict | None, ef_code: dict | None = OLD) -> Pa
     ``ef_machine`` by ``ef_code``."""
     made_on(make_run(root, 2.0, schedule="sync"), EPYC)
     made_on(make_run(root, 2.4, schedule="2bw"), EPYC)
-    made_on(make_run(root, 2.1, schedule="2bw", ef=True), ef_machine, ef_code)
+    made_on(make_run(root, 2.1, schedule="2bw", correction="ef"), ef_machine, ef_code)
     return root
 
 
@@ -91,7 +91,7 @@ def test_a_machine_recorded_beside_one_not_recorded_counts_as_another(tmp_path):
     assert NOT_RECORDED in mixed.closed_origins.machines
     assert "75%" not in ef_cell(quality_table([mixed]))
     old = tmp_path / "old"
-    for final, settings in ((2.0, {}), (2.4, {}), (2.1, {"ef": True})):
+    for final, settings in ((2.0, {}), (2.4, {}), (2.1, {"correction": "ef"})):
         make_run(old, final, schedule="sync" if final == 2.0 else "2bw", **settings)
     assert ef_cell(quality_table([ef_row(old)])) == "75%"
 
@@ -101,7 +101,7 @@ def test_each_run_of_the_group_and_of_its_references_counts(tmp_path):
     study(tmp_path, EPYC)
     made_on(make_run(tmp_path, 2.0, schedule="sync", seed=1), XEON)
     made_on(make_run(tmp_path, 2.4, schedule="2bw", seed=1), EPYC)
-    made_on(make_run(tmp_path, 2.1, schedule="2bw", ef=True, seed=1), EPYC)
+    made_on(make_run(tmp_path, 2.1, schedule="2bw", correction="ef", seed=1), EPYC)
     origins = ef_row(tmp_path).closed_origins
     assert origins is not None and origins.machines == ("AMD EPYC (2 CPUs AVX2)",)
     assert len(origins.reference_machines) == 2
@@ -112,10 +112,10 @@ def test_controls_and_references_tables_check_their_runs_too(tmp_path):
     from the EPYC: both shares are left out, and shown with the flag."""
     made_on(make_run(tmp_path, 2.0, schedule="sync"), XEON)
     made_on(make_run(tmp_path, 2.4, schedule="2bw"), XEON)
-    made_on(make_run(tmp_path, 2.05, schedule="sync", ef=True), XEON)
-    made_on(make_run(tmp_path, 2.15, schedule="2bw", ef=True), EPYC)
+    made_on(make_run(tmp_path, 2.05, schedule="sync", correction="ef"), XEON)
+    made_on(make_run(tmp_path, 2.15, schedule="2bw", correction="ef"), EPYC)
     made_on(make_run(tmp_path, 1.9, schedule="sync", beta1=0.8), EPYC)
-    made_on(make_run(tmp_path, 2.1, schedule="2bw", ef=True, beta1=0.8), EPYC)
+    made_on(make_run(tmp_path, 2.1, schedule="2bw", correction="ef", beta1=0.8), EPYC)
     runs, _ = discover([tmp_path])
     rows = compare(group_runs(runs))
     found = controls(rows)

@@ -187,7 +187,7 @@ def test_the_whole_step_adds_the_delay_the_momentum_and_the_corrections():
     # the wrapper over AdamW: less stable than no correction at all; EF more
     none = largest_stable_step(step_response(TrainConfig(optim="adamw"), 1))
     assert largest_stable_step(step_response(plain, 1)) < none < 2.5
-    assert largest_stable_step(step_response(TrainConfig(optim="adamw", ef=True), 1)) > 2.5
+    assert largest_stable_step(step_response(TrainConfig(optim="adamw", correction="ef"), 1)) > 2.5
 
 
 def test_nobubble_corrections_prints_each_response_and_the_auto_choice(capsys):

@@ -16,7 +16,7 @@ from tests.helpers.runs import cut_back_to, resume, train
 
 RUNS = {
     "sync": ["schedule=sync"],
-    "2bw+ef": ["schedule=2bw", "ef=true", "microbatches=2"],
+    "2bw+ef": ["schedule=2bw", "correction=ef", "microbatches=2"],
     "pipedream": ["schedule=pipedream", "stages=3", "optim=muon"],
     # delay compensation's state: each parameter's last D applied changes (D = 2, 1, 0)
     "pipedream+dc": ["schedule=pipedream", "stages=3", "correction=dc", "dc_lambda=1000"],
@@ -46,7 +46,7 @@ def test_the_checkpoint_s_own_metrics_line_cut_short_is_written_again(tmp_path):
     6's, was cut short after it was saved (a hard kill, a machine that lost its page cache): the
     resumed run starts after step 6, so the line comes back from the checkpoint, val_loss and
     all, and the run's lines are the uninterrupted run's."""
-    settings = ["schedule=2bw", "ef=true", "microbatches=2", "steps=8", "eval_every=3"]
+    settings = ["schedule=2bw", "correction=ef", "microbatches=2", "steps=8", "eval_every=3"]
     settings += ["checkpoint_every=6", "keep_checkpoints=5"]
     assert train(tmp_path / "full", *settings) == 0
     cut = tmp_path / "cut"

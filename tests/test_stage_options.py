@@ -22,7 +22,7 @@ STEPS = 3
 MC = dataclasses.replace(
     PRESETS["tiny"], d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=64
 )
-DELAYED = dict(schedule="2bw", ef=True, stages=2, microbatches=2)
+DELAYED = dict(schedule="2bw", correction="ef", stages=2, microbatches=2)
 
 
 def simulate(**settings):
@@ -97,7 +97,7 @@ def test_compile_in_both_backends_matches_eager_within_tolerance(tmp_path):
     what the compiled simulation computes."""
     from torch._dynamo.utils import counters
 
-    settings = [*SMALL, "schedule=2bw", "ef=true", "microbatches=2", f"steps={STEPS}"]
+    settings = [*SMALL, "schedule=2bw", "correction=ef", "microbatches=2", f"steps={STEPS}"]
     settings += ["n_layers=2", "eval_every=0"]
     main(["train", "--no-progress", "--out", str(tmp_path / "eager"), *settings])
     torch._dynamo.reset()

@@ -46,7 +46,7 @@ optim = ["adamw", "muon"]
 [phase.grid.setup]
 sync = { schedule = "sync" }
 2bw = { schedule = "2bw" }
-"2bw+ef" = { schedule = "2bw", ef = true }
+"2bw+ef" = { schedule = "2bw", correction = "ef" }
 
 [[phase]]
 name = "pipeline"
@@ -102,7 +102,7 @@ def test_phases_variants_names_and_precedence(tmp_path):
         "optim=adamw,setup=2bw",
         "optim=adamw,setup=2bw+ef",
     ]
-    assert main[2].settings["ef"] is True and main[2].settings["schedule"] == "2bw"
+    assert main[2].settings["correction"] == "ef" and main[2].settings["schedule"] == "2bw"
 
 
 def test_best_takes_the_lowest_mean_loss_over_seeds(tmp_path):
@@ -119,14 +119,14 @@ def test_best_takes_the_lowest_mean_loss_over_seeds(tmp_path):
     for run in planned["lr_sweep"]:
         finish(run, losses[run.config.optim, run.config.lr][run.config.seed])
     main = plan(spec, "main", planned, finished_loss)
-    chosen = {(r.config.optim, r.config.schedule, r.config.ef): r.config.lr for r in main}
+    chosen = {(r.config.optim, r.config.schedule, r.config.correction): r.config.lr for r in main}
     assert chosen == {
-        ("adamw", "sync", False): 0.01,
-        ("adamw", "2bw", False): 0.01,
-        ("adamw", "2bw", True): 0.01,
-        ("muon", "sync", False): 0.001,
-        ("muon", "2bw", False): 0.001,
-        ("muon", "2bw", True): 0.001,
+        ("adamw", "sync", "none"): 0.01,
+        ("adamw", "2bw", "none"): 0.01,
+        ("adamw", "2bw", "ef"): 0.01,
+        ("muon", "sync", "none"): 0.001,
+        ("muon", "2bw", "none"): 0.001,
+        ("muon", "2bw", "ef"): 0.001,
     }
 
 

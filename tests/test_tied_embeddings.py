@@ -236,9 +236,9 @@ def test_pipedream_with_tied_embeddings_is_refused_with_the_reason():
 
 PARITY = [
     # (stages, schedule, microbatches, extra settings)
-    (2, "2bw", 2, ["optim=adamw", "ef=true"]),  # (the synchronous IR: the 4-stage sync case)
+    (2, "2bw", 2, ["optim=adamw", "correction=ef"]),  # (the synchronous IR: the 4-stage sync case)
     (4, "sync", 4, ["optim=muon"]),
-    (4, "2bw", 4, ["optim=adamw", "ef=true"]),
+    (4, "2bw", 4, ["optim=adamw", "correction=ef"]),
 ]
 
 
@@ -286,7 +286,7 @@ def test_tied_pipeline_with_replicas_equals_one_process(tmp_path):
     one process within test_data_parallel's tolerance (summation order); the four copies of the
     tied weight (two stages x two replicas) bitwise equal."""
     settings = ["schedule=2bw", "stages=2", "microbatches=2", "steps=6", "eval_every=3"]
-    settings += ["tie_embeddings=true", "optim=adamw", "ef=true", "checkpoint_every=3"]
+    settings += ["tie_embeddings=true", "optim=adamw", "correction=ef", "checkpoint_every=3"]
     nobubble(tmp_path / "dp", *settings, "dp=2", stages=4)
     nobubble(tmp_path / "one", *settings)
     assert_close_runs(tmp_path / "dp", tmp_path / "one")
@@ -298,7 +298,7 @@ def test_tied_pipeline_with_replicas_equals_one_process(tmp_path):
 
 
 TIED_2BW = [*CONSTANT, "tie_embeddings=true", "schedule=2bw", "microbatches=4", "grad_clip=0"]
-TIED_2BW += ["optim=adamw", "ef=true"]
+TIED_2BW += ["optim=adamw", "correction=ef"]
 
 
 def test_a_tied_checkpoint_continues_exactly_on_another_split_in_the_simulator(tmp_path):

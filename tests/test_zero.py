@@ -33,7 +33,7 @@ MOE = ["moe_experts=4", "moe_top_k=2", "moe_d_ff=32", "moe_layers=[1, 2, 3]"]
 CASES = [
     # (stages, schedule, microbatches, extra settings)
     # flat split, EF's buffers split alike (P=2, dp=2)
-    (2, "2bw", 4, ["optim=adamw", "ef=true"]),
+    (2, "2bw", 4, ["optim=adamw", "correction=ef"]),
     # whole hidden matrices owned by one replica, the rest split
     (2, "2bw", 4, ["optim=muon", "muon_ns_dtype=float32"]),
     # two model stages a process (each its own chain), the tied copies' sum beside them

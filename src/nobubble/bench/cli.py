@@ -197,7 +197,7 @@ def common_settings(args: argparse.Namespace) -> list[str]:
         *(QUICK_MODEL if args.quick else ()),
     ]
     controlled = set(parse_overrides(ours)) | {f.name for f in dataclasses.fields(Shape)}
-    controlled |= {"schedule", "out", "ef", "zero"}
+    controlled |= {"schedule", "out", "correction", "zero"}
     if args.options:
         controlled |= set(parse_overrides(OPTIONS.values()))
     clash = sorted(controlled & set(parse_overrides(args.overrides)))

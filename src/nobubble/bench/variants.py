@@ -30,7 +30,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("gpipe", "gpipe"),
         Variant("1f1b", "1f1b"),
         Variant("2bw", "2bw"),
-        Variant("2bw+ef", "2bw", extra=("ef=true",)),
+        Variant("2bw+ef", "2bw", extra=("correction=ef",)),
         Variant("pipedream", "pipedream"),
         Variant("zb-h1", "zb-h1"),
         Variant("zb-h2", "zb-h2"),

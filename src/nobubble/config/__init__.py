@@ -2,11 +2,18 @@
 checks the schema alone can make. It imports nothing else of nobubble (docs/architecture.md)."""
 
 from nobubble.config.checks import check_schema, profile_range, zero_problem
-from nobubble.config.correction import correction_names
+from nobubble.config.correction import (
+    OLD_EF,
+    OldSpellingWarning,
+    correction_names,
+    fold_ef,
+    names_in,
+)
 from nobubble.config.fields import (
     ConfigError,
     NobubbleWarning,
     Range,
+    as_bool,
     check_choice,
     setting,
     suggest,
@@ -26,21 +33,26 @@ from nobubble.config.schema import FIELDS, HINTS, SECTION_OF, SECTIONS, TrainCon
 __all__ = [
     "FIELDS",
     "HINTS",
+    "OLD_EF",
     "SECTIONS",
     "SECTION_OF",
     "ConfigError",
     "NobubbleWarning",
+    "OldSpellingWarning",
     "Range",
     "TrainConfig",
+    "as_bool",
     "base_type",
     "check_choice",
     "check_schema",
     "chosen_loggers",
     "coerce",
     "correction_names",
+    "fold_ef",
     "from_saved",
     "load_toml",
     "merge_layers",
+    "names_in",
     "parse_overrides",
     "profile_range",
     "setting",

@@ -1,10 +1,32 @@
-"""The delay correction (docs/corrections.md) and the strength of each."""
+"""The delay correction (docs/corrections.md) and the strength of each.
+
+``correction`` is the one home of error feedback (``correction=ef``). Earlier versions also
+spelled it ``ef=true``; :func:`fold_ef` reads that spelling where settings enter (a TOML file,
+``key=value`` words, a sweep's table, a layer given in code; a saved config.json or meta.json),
+so that nothing past the configuration's boundary knows it.
+"""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from nobubble.config.fields import DECAY, NON_NEGATIVE, ConfigError, setting
+from nobubble.config.fields import (
+    DECAY,
+    NON_NEGATIVE,
+    ConfigError,
+    NobubbleWarning,
+    as_bool,
+    setting,
+)
+
+OLD_EF = "ef"  # the old key: ef=true is correction=ef, ef=false is no error feedback
+
+
+class OldSpellingWarning(NobubbleWarning):
+    """A setting given in a spelling of an earlier version (read as its new one, named)."""
 
 
 @dataclass
@@ -16,7 +38,6 @@ class CorrectionSettings:
         "docs/corrections.md",
         registry="correction",
     )
-    ef: bool = setting(False, "error-feedback delay correction (the same as correction=ef)")
     ef_gamma: float = setting(
         1.0, "error-feedback strength γ (γ = β on a momentum base: Nesterov)", NON_NEGATIVE
     )
@@ -34,14 +55,44 @@ class CorrectionSettings:
     )
 
 
-def correction_names(settings: CorrectionSettings) -> tuple[str, ...]:
-    """The names ``correction`` lists (``ef=true`` adds ``ef``), as written: "none" or empty for
-    none; a name given twice is refused. Which names exist is the correction registry's to say
+def names_in(correction: str) -> tuple[str, ...]:
+    """The names a ``correction`` value lists, as written: "none" or empty for none; a name given
+    twice is refused. Which names exist is the correction registry's to say
     (:func:`nobubble.corrections.registry.chosen`)."""
-    names = [n.strip() for n in settings.correction.split("+") if n.strip()]
+    names = [n.strip() for n in correction.split("+") if n.strip()]
     names = [] if names == ["none"] else names
     if len(set(names)) != len(names):
-        raise ConfigError(f"correction {settings.correction!r} names a correction twice")
-    if settings.ef and "ef" not in names:
-        names.append("ef")
+        raise ConfigError(f"correction {correction!r} names a correction twice")
     return tuple(names)
+
+
+def correction_names(settings: CorrectionSettings) -> tuple[str, ...]:
+    """The names ``settings.correction`` lists (:func:`names_in`)."""
+    return names_in(settings.correction)
+
+
+def fold_ef(values: Mapping[str, Any], *, warn: bool) -> dict[str, Any]:
+    """``values`` (one layer of settings, or a saved configuration) with the old spelling
+    ``ef=true|false`` folded into ``correction``: ``ef=true`` adds ``ef`` to the layer's
+    ``correction`` (``correction=ef`` if the layer sets none), ``ef=false`` adds nothing. With
+    ``warn`` (settings given now, not a saved run's), an :class:`OldSpellingWarning` names the new
+    spelling. The one reading of the old key."""
+    if OLD_EF not in values:
+        return dict(values)
+    folded = {key: value for key, value in values.items() if key != OLD_EF}
+    on = as_bool(OLD_EF, values[OLD_EF])
+    if on:
+        names = names_in(str(folded.get("correction", "none")))
+        folded["correction"] = "+".join(names if "ef" in names else ("ef", *names))
+    if warn:
+        fix = (
+            f"write correction={folded['correction']} instead"
+            if on
+            else "leave it out (error feedback is correction=ef)"
+        )
+        warnings.warn(
+            f"ef={str(on).lower()} is the old spelling of error feedback: {fix}",
+            OldSpellingWarning,
+            stacklevel=3,
+        )
+    return folded

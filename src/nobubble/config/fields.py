@@ -20,6 +20,16 @@ class ConfigError(ValueError):
     """A configuration problem a user can fix; the message says how."""
 
 
+def as_bool(key: str, value: Any) -> bool:
+    """``value`` of the true-or-false setting ``key``: a bool, or true/false, yes/no, 1/0 as
+    written."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
 class NobubbleWarning(UserWarning):
     """A warning of nobubble's own (the command line shows it as one ``nobubble: warning:``
     line, without Python's source line and code line)."""

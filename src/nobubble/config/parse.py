@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.config.checks import check_schema
-from nobubble.config.fields import ConfigError, suggest
+from nobubble.config.correction import fold_ef
+from nobubble.config.fields import ConfigError, as_bool, suggest
 from nobubble.config.schema import FIELDS, HINTS, TrainConfig
 
 
@@ -62,11 +63,7 @@ def _check_type(key: str, hint: Any, value: Any) -> Any:
             raise ConfigError(f"{key} must be a list like [3, 3], got {value!r}")
         return [_check_type(key, item, v) for v in value]
     if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return as_bool(key, value)
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -85,21 +82,22 @@ def _check_type(key: str, hint: Any, value: Any) -> Any:
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """Parse ``key=value`` strings (values in TOML syntax, bare strings allowed)."""
-    out: dict[str, Any] = {}
+    """Parse ``key=value`` strings (values in TOML syntax, bare strings allowed; the old
+    ``ef=true`` read as ``correction=ef``, with a warning: :func:`fold_ef`)."""
+    words: dict[str, str] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"expected key=value, got {item!r} (e.g. lr=1e-3 or optim=muon)")
         key, value = item.split("=", 1)
-        key = key.strip().replace("-", "_")
-        out[key] = coerce(key, value)
-    return out
+        words[key.strip().replace("-", "_")] = value
+    return {key: coerce(key, value) for key, value in fold_ef(words, warn=True).items()}
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config; ``[section]`` headings are allowed and flattened (keys are unique
     over the sections: :data:`nobubble.config.schema.SECTIONS`, so a key set in two tables, or
-    spelled with ``-`` and ``_`` in one, is refused)."""
+    spelled with ``-`` and ``_`` in one, is refused; the old ``ef=true`` is read as
+    ``correction=ef``, with a warning: :func:`fold_ef`)."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -122,27 +120,27 @@ def load_toml(path: str | Path) -> dict[str, Any]:
                     "keep one of them"
                 )
             flat[name], where[name] = subvalue, place
-    return {key: coerce(key, value) for key, value in flat.items()}
+    return {key: coerce(key, value) for key, value in fold_ef(flat, warn=True).items()}
 
 
 def from_saved(saved: Mapping[str, Any]) -> dict[str, Any]:
     """A configuration saved by any version (a run folder's config.json, a checkpoint's
     meta.json) with every key it lacks set to what it meant when it was saved: the field's
     ``saved_default`` (config/fields.py), so a changed default never changes an earlier run.
-    The one reading of a saved configuration: resuming, the sweep and the report all call it."""
-    return {
-        **{key: f.metadata["saved_default"] for key, f in FIELDS.items() if key not in saved},
-        **saved,
-    }
+    The old spelling ``ef=true`` is read as ``correction=ef``, silently (:func:`fold_ef`). The
+    one reading of a saved configuration: resuming, the sweep and the report all call it."""
+    defaults = {key: f.metadata["saved_default"] for key, f in FIELDS.items() if key not in saved}
+    return fold_ef({**defaults, **saved}, warn=False)
 
 
 def merge_layers(*layers: dict[str, Any]) -> TrainConfig:
     """Merge override layers over the defaults and check what the schema alone can check (types,
     ranges, fixed choices, divisibility). What needs a registry (presets, optimizers, schedules,
-    corrections) is checked above: :func:`nobubble.configure.build_config`."""
+    corrections) is checked above: :func:`nobubble.configure.build_config`. A layer's old
+    ``ef=true`` is read as ``correction=ef`` in that layer, with a warning (:func:`fold_ef`)."""
     values: dict[str, Any] = {}
     for layer in layers:
-        for key, value in layer.items():
+        for key, value in fold_ef(layer, warn=True).items():
             values[key] = coerce(key, value)
     cfg = TrainConfig(**values)
     check_schema(cfg)

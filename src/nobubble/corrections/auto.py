@@ -142,10 +142,9 @@ def requested(cfg: TrainConfig) -> bool:
     if AUTO not in names:
         return False
     if names != (AUTO,):
-        added = " (ef=true adds ef)" if cfg.ef else ""
         raise ConfigError(
             f"correction=auto chooses the whole correction and combines with nothing; got "
-            f"{'+'.join(names)}{added}: use correction=auto alone, or name the corrections"
+            f"{'+'.join(names)}: use correction=auto alone, or name the corrections"
         )
     return True
 

@@ -21,7 +21,7 @@ CORRECTION_NAMES = tuple(REGISTRY)
 
 
 def chosen(cfg: TrainConfig) -> tuple[str, ...]:
-    """The corrections ``cfg`` asks for (``ef=true`` adds ``ef``), in the registry's order;
+    """The corrections ``cfg`` asks for, in the registry's order;
     refuses a name it does not know and two that both change the update."""
     names = correction_names(cfg)
     for name in names:
@@ -32,10 +32,9 @@ def chosen(cfg: TrainConfig) -> tuple[str, ...]:
             )
     wrappers = [n for n in CORRECTION_NAMES if n in names and REGISTRY[n].wrap is not None]
     if len(wrappers) > 1:
-        added = " (ef=true adds ef)" if cfg.ef and "ef" in wrappers else ""
         raise ConfigError(
             f"corrections {' and '.join(wrappers)} both change the update; choose one of them "
-            f"(predict combines with any one, e.g. correction=ef+predict){added}"
+            "(predict combines with any one, e.g. correction=ef+predict)"
         )
     return tuple(n for n in CORRECTION_NAMES if n in names)
 

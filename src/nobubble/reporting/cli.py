@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=V1,V2",
         help="keep only runs whose setting is one of the values (repeatable), e.g. "
-        "--where optim=adamw,muon --where ef=false",
+        "--where optim=adamw,muon --where correction=none",
     )
     parser.add_argument(
         "--vs",

@@ -83,7 +83,7 @@ class Group:
 
     @property
     def corrections(self) -> tuple[str, ...]:
-        """The delay corrections the group's runs use (``ef=true`` counts as ``ef``)."""
+        """The delay corrections the group's runs use, in the registry's order."""
         return corrections_of(self.settings)
 
     @property
@@ -158,7 +158,7 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 
 def corrections_of(settings: dict[str, Any]) -> tuple[str, ...]:
-    return chosen(TrainConfig(correction=settings["correction"], ef=settings["ef"]))
+    return chosen(TrainConfig(correction=settings["correction"]))
 
 
 def _label(correction: str) -> str:
@@ -373,8 +373,8 @@ def controls(rows: Sequence[Comparison]) -> list[Control]:
         group = row.group
         if not group.corrections or group.settings["schedule"] in SYNCHRONOUS_SCHEDULES:
             continue
-        same = group.corrections  # however they were spelled (ef=true or correction=ef)
-        spelling = (*PARALLEL_KEYS, "correction", "ef")
+        same = group.corrections  # however they were spelled (ef+predict or predict+ef)
+        spelling = (*PARALLEL_KEYS, "correction")
         settings = group.settings
         control = _find(rows, settings, lambda g, same=same: g.corrections == same, spelling)
         plain = _find(rows, settings, lambda g: not g.corrections, CORRECTION_KEYS, delayed=True)

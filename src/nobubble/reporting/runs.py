@@ -19,7 +19,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import FIELDS, ConfigError, TrainConfig, coerce, from_saved
+from nobubble.config import (
+    FIELDS,
+    OLD_EF,
+    ConfigError,
+    TrainConfig,
+    as_bool,
+    coerce,
+    from_saved,
+    names_in,
+)
 from nobubble.device import device_type
 from nobubble.provenance import machine_in_words
 from nobubble.runfolder.folder import FINISHED, NON_FINITE, RunFolder
@@ -275,13 +284,23 @@ Filter = tuple[str, list[Any]]  # keep runs whose setting is one of these values
 
 
 def parse_filter(text: str) -> Filter:
-    """``KEY=V1,V2`` (values in config syntax) as a filter."""
+    """``KEY=V1,V2`` (values in config syntax) as a filter; ``ef=true|false`` (the old key)
+    keeps the runs whose corrections do or do not include error feedback."""
     key, sep, values = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not values:
         raise ReportError(f"expected KEY=VALUE[,VALUE...], got {text!r} (e.g. optim=adamw,muon)")
+    if key == OLD_EF:
+        return key, [as_bool(key, v.strip()) for v in values.split(",")]
     return key, [coerce(key, v) for v in values.split(",")]
 
 
 def matches(run: RecordedRun, filters: list[Filter]) -> bool:
-    return all(run.settings[key] in values for key, values in filters)
+    return all(setting(run, key) in values for key, values in filters)
+
+
+def setting(run: RecordedRun, key: str) -> Any:
+    """``run``'s setting ``key``; ``ef`` (the old key): whether its corrections include ``ef``."""
+    if key == OLD_EF:
+        return "ef" in names_in(run.settings["correction"])
+    return run.settings[key]

@@ -32,7 +32,7 @@ from nobubble.staleness import (
 )
 
 # shown in their own columns ("setup" names the schedule and the corrections), not under "settings"
-COLUMN_KEYS = ("optim", "schedule", "correction", "ef")
+COLUMN_KEYS = ("optim", "schedule", "correction")
 
 
 def fmt_value(value: Any) -> str:

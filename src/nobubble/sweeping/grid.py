@@ -15,7 +15,7 @@
     lr = [1e-3, 3e-3]
     [phase.grid.setup]            # a table: named variants, each setting several keys
     sync = { schedule = "sync" }
-    "2bw+ef" = { schedule = "2bw", ef = true }
+    "2bw+ef" = { schedule = "2bw", correction = "ef" }
 
 Several ``[[phase.grid]]`` tables instead of one ``[phase.grid]`` make the phase the union of
 their grids (e.g. another learning-rate range for one optimizer).
@@ -39,7 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nobubble.config import FIELDS, ConfigError, Range, coerce, unknown_key_error
+from nobubble.config import (
+    FIELDS,
+    OLD_EF,
+    ConfigError,
+    Range,
+    coerce,
+    fold_ef,
+    unknown_key_error,
+)
 
 LAUNCHERS = ("python", "torchrun")
 BEST_PREFIX = "best:"
@@ -161,8 +169,11 @@ def _config_values(where: str, table: Any, allow_best: bool = False) -> dict[str
     if not isinstance(table, dict):
         raise SweepError(f"{where} must be a table of config keys, got {table!r}")
     values = {}
-    for raw_key, value in table.items():
-        key = raw_key.replace("-", "_")
+    try:
+        table = fold_ef({key.replace("-", "_"): value for key, value in table.items()}, warn=True)
+    except ConfigError as exc:
+        raise SweepError(f"{where}: {exc}") from None
+    for key, value in table.items():
         if key == "out":
             raise SweepError(f"{where}: the sweep names each run's folder; set [sweep] out instead")
         if allow_best and isinstance(value, str) and value.startswith(BEST_PREFIX):
@@ -182,6 +193,11 @@ def _axis(where: str, key: str, spec: Any) -> Axis:
         if not spec:
             raise SweepError(f"{where}.{key} is an empty list; give at least one value")
         key = key.replace("-", "_")
+        if key == OLD_EF:
+            raise SweepError(
+                f"{where}.ef: ef is the old spelling of error feedback; make the axis "
+                "correction = ['none', 'ef']"
+            )
         values = [_config_values(where, {key: v})[key] for v in spec]
         settings = tuple({key: v} for v in values)
         labels = tuple(label(v) for v in values)
