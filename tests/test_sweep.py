@@ -16,7 +16,7 @@ from nobubble.runfolder.lock import hold, hold_folder
 from nobubble.sweeping import cli as sweep
 from nobubble.sweeping.grid import SweepError
 from nobubble.sweeping.planned import PlannedRun, Status
-from tests.helpers.commands import call, last_line
+from tests.helpers.commands import call, last_line, line_with
 from tests.helpers.pipeline import snapshot
 from tests.helpers.sweeps import TOY_GRID
 
@@ -183,7 +183,7 @@ def test_a_run_folder_in_use_is_never_set_aside(tmp_path, capsys):
     finally:
         os.close(training)
     assert call(sweep, "--config", str(grid), "--out", str(out)) == 0
-    assert "set aside schedule=sync: it has no checkpoint" in capsys.readouterr().out
+    assert line_with(capsys.readouterr().out, "set aside", "schedule=sync", "no checkpoint")
     assert (run / "summary.json").is_file()
 
 

@@ -140,8 +140,9 @@ def test_without_a_peak_the_summary_line_gives_model_tflops_and_says_why_no_mfu(
         "peak_source": "no peak known on cpu: set peak_tflops",
     }  # fmt: skip
     line = summary_line(summary, tmp_path / "my run", processes=2, mc=PRESETS["tiny"])
-    assert "3 steps in 3 min 20 s, val_loss 2.0000, val_bpb 3.0000, 12,346 tok/s" in line
-    assert "0.0123 model TFLOP/s (no MFU: no peak known on cpu: set peak_tflops)" in line
+    said = ["3 steps", "3 min 20 s", "val_loss 2.0000", "val_bpb 3.0000", "12,346 tok/s"]
+    said += ["0.0123 model TFLOP/s", summary["peak_source"]]  # no MFU, and why (the fix)
+    assert [part for part in said if part not in line] == []
     quoted = f"'{tmp_path / 'my run'}'"
     assert f"torchrun --nproc-per-node 2 -m nobubble train --resume {quoted} steps=N" in line
 
@@ -166,7 +167,7 @@ def test_wandb_online_without_an_api_key_is_refused_before_anything_is_written(
     out = tmp_path / "runs" / "r"
     assert main(["train", "--out", str(out), *SMALL, "logger=wandb", "wandb_mode=online"]) == 2
     err = capsys.readouterr().err
-    assert "wandb_mode=online needs a W&B API key: run `wandb login`" in err
+    assert "wandb_mode=online" in err and "`wandb login`" in err and "WANDB_API_KEY" in err
     assert "wandb_mode=offline" in err and not (tmp_path / "runs").exists()
 
 
