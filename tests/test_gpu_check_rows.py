@@ -17,6 +17,7 @@ from nobubble.gpu_check.plan import plan, row, skipped, write_plan
 from nobubble.gpu_check.row import command, row_environment
 from nobubble.gpu_check.runs import AUDIT, BITWISE, CLOSE, SMOKE, THROUGHPUT, TIMEOUTS, CheckRun
 from nobubble.schedules import Action, ActionKind
+from tests.helpers.commands import line_with
 from tests.helpers.pipeline import env
 
 
@@ -197,8 +198,7 @@ def test_a_run_that_hangs_is_stopped_at_its_timeout_with_every_ranks_stacks(tmp_
         )
     text = log.read_text()
     assert result.returncode == 124, text[-3000:]
-    said = next(line for line in text.splitlines() if line.startswith("hung: "))
-    assert f" {HUNG_S:g} s" in said  # the row, and the timeout it ran past
+    assert line_with(text, "gpu-check: hung:", f" {HUNG_S:g} s")  # the row, the timeout passed
     stacks = text.split("the Python stacks of ")[1:]
     assert sorted(s.split(" ")[1] for s in stacks) == ["0", "1"]  # rank 0, rank 1
     for stack in stacks:  # the fault handler's dump, down to the pipeline's wait
