@@ -25,7 +25,7 @@ from nobubble.reporting import cli as report
 from nobubble.runfolder.reading import saved_config
 from nobubble.sweeping.grid import load_sweep
 from tests.helpers.commands import call
-from tests.helpers.runs import make_run
+from tests.helpers.runs import make_run, train
 
 SRC = Path(__file__).parents[1] / "src" / "nobubble"
 V2_RUN = Path(__file__).parent / "data" / "v2_run"  # written with ef=true, correction=none
@@ -116,3 +116,10 @@ def test_the_report_reads_an_old_run_folder_and_where_ef_still_filters(tmp_path,
         setups[where] = {line.split("|")[2].strip() for line in table}
     assert setups == {"ef=true": {"2bw+EF", "2bw+EF+predict"}, "ef=false": {"2bw+predict"}}
     capsys.readouterr()
+
+
+def test_the_old_ef_flag_is_read_as_correction_ef(tmp_path):
+    with pytest.warns(OldSpellingWarning, match="correction=ef"):
+        assert train(tmp_path / "run", "--ef", "steps=1", "eval_every=0") == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["correction"] == "ef" and "ef" not in saved

@@ -17,8 +17,10 @@ from pathlib import Path
 
 from nobubble.config import (
     FIELDS,
+    OLD_EF,
     NobubbleWarning,
     TrainConfig,
+    fold_ef,
     load_toml,
     parse_overrides,
 )
@@ -60,6 +62,14 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("configuration (also settable as key=value)")
     notes = {name: f"read only when {when.when}" for name, when in READ_WHEN.items()}
     add_setting_flags(group, FIELDS, names_of=REGISTRY_NAMES, notes=notes, layer=True)
+    # the old flag of error feedback, read as --correction ef (fold_ef); not in the help
+    group.add_argument(
+        f"--{OLD_EF}",
+        dest=OLD_EF,
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -71,8 +81,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def config_layers(args: argparse.Namespace) -> list[dict]:
     """--config file < flags < key=value overrides (each a dict of only what was given)."""
     base = load_toml(args.config) if args.config else {}
-    flags = {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
-    return [base, flags, parse_overrides(args.overrides)]
+    flags = {name: getattr(args, name) for name in (*FIELDS, OLD_EF) if hasattr(args, name)}
+    return [base, fold_ef(flags, warn=True), parse_overrides(args.overrides)]
 
 
 def chosen_keys(layers: Sequence[dict]) -> set[str]:
