@@ -42,13 +42,12 @@ from nobubble.versions import gradient_version
 
 # (P, M) shapes every schedule can run: M a multiple of P (interleaved) and at least P (2bw)
 SHAPES = [(1, 1), (1, 3), (2, 2), (2, 4), (3, 3), (3, 6), (4, 4), (4, 8)]
-# the schedules the pipeline runtime runs (not the V ones, so far)
-TRAINED = [name for name in SCHEDULE_NAMES if schedule_spec(name).runtime]
 
 
 def config(schedule: str, stages: int, microbatches: int) -> TrainConfig:
     # pipedream steps after every microbatch: its training config has M = 1
     micro = 1 if schedule == "pipedream" else microbatches
+    micro = max(micro, 2 * stages) if schedule == "dualpipev" else micro
     chunks = schedule_spec(schedule).default_chunks  # what building the config resolves
     return TrainConfig(schedule=schedule, stages=stages, microbatches=micro, chunks=chunks)
 
@@ -66,20 +65,22 @@ def whole_segment(cfg: TrainConfig, pp_rank: int, start: int, stop: int) -> list
         )
     )
     delays = schedule_spec(cfg.schedule).delays(ParallelLayout.of(cfg).model_stages)
-    shifted = []
-    for a in lowered[pp_rank]:
+
+    def shifted(a: Action) -> Action:  # an F&B's halves alike
         step = a.step + start
         version = step + 1 if a.kind is ActionKind.STEP else gradient_version(step, delays[a.stage])
         micro = None if a.microbatch is None else a.microbatch + start * cfg.microbatches
-        shifted.append(dataclasses.replace(a, step=step, microbatch=micro, version=version))
-    return shifted
+        paired = None if a.paired is None else shifted(a.paired)
+        return dataclasses.replace(a, step=step, microbatch=micro, version=version, paired=paired)
+
+    return [shifted(a) for a in lowered[pp_rank]]
 
 
 def layout(cfg: TrainConfig, pp_rank: int) -> ParallelLayout:
-    return ParallelLayout.of(cfg, pp_rank)
+    return ParallelLayout.of(cfg, pp_rank, schedule_spec(cfg.schedule).placement)
 
 
-@pytest.mark.parametrize("schedule", TRAINED)
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 @pytest.mark.parametrize(("stages", "microbatches"), SHAPES)
 def test_the_streamed_segment_is_the_whole_segments_plan(schedule, stages, microbatches):
     """For every schedule, shape, process and segment [start, stop): the same actions in the
@@ -104,7 +105,7 @@ def test_a_stopped_run_is_the_shorter_runs_plan_cool_down_included(schedule, sta
         assert stopped == shorter, (t, rank)
 
 
-@pytest.mark.parametrize("schedule", TRAINED)
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_a_process_stopped_at_a_step_runs_the_shorter_segment(schedule):
     """The runtime's plan, read as it reads it (a few actions ahead) and stopped at the first
     action of step t, runs exactly the actions of the segment [start, t)."""
@@ -144,7 +145,7 @@ def counted(monkeypatch):
     return _Counted
 
 
-@pytest.mark.parametrize("schedule", TRAINED)
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_a_run_of_a_trillion_steps_plans_only_what_is_read(counted, schedule):
     """The first 1,000 actions of each process of a 10**12-step segment are those of a run
     long enough to hold them, and reading them makes about as many (each is made, then placed

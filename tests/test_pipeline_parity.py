@@ -49,6 +49,13 @@ CASES = [
     # weight prediction (docs/corrections.md): 2bw, and pipedream's per-stage delays
     (2, "2bw", 2, ["optim=adamw", "correction=predict"]),
     (3, "pipedream", 1, ["optim=adamw", "correction=predict"]),
+    # the V placement (stages 0, 3 on process 0 and 1, 2 on process 1): the turn at the bottom
+    # (1 -> 2) handed over in memory, the head's loss and statistics on process 0; zb-v's split
+    # backward, dualpipev's overlapped F&B and its whole B's on split stages
+    (2, "zb-v", 4, ["optim=adamw"]),
+    (2, "dualpipev", 4, ["optim=muon", "muon_ns_dtype=float32"]),
+    pytest.param(3, "zb-v", 6, ["optim=adamw", "n_layers=6", "batch_size=12"], marks=EXTENDED),
+    pytest.param(3, "dualpipev", 8, ["optim=adamw", "n_layers=6"], marks=EXTENDED),
 ]
 
 

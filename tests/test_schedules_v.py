@@ -1,8 +1,9 @@
 """The V placement (rank r holds model stages r and 2P-1-r) and its two schedules, ZB-V and
 DualPipeV: hand-drawn action lists, torch's orders as a facts check, the invariants over a grid,
 the bubble their papers give, the pictures, and the one-process engine's run of them (the
-pipeline runtime refuses them, so far)."""
+pipeline runtime's: tests/test_pipeline_parity.py, tests/test_emulated_nccl.py)."""
 
+import dataclasses
 import itertools
 import json
 
@@ -15,7 +16,7 @@ from nobubble.config import ConfigError, TrainConfig
 from nobubble.configure import build_config, resolve_config
 from nobubble.layout import ParallelLayout, V
 from nobubble.one_process import OneProcessEngine
-from nobubble.run.torchrun import check_launch
+from nobubble.run.torchrun import check_model, launch_layout
 from nobubble.schedules import (
     Action,
     ActionKind,
@@ -66,6 +67,9 @@ def test_the_v_places_stages_r_and_2p_minus_1_minus_r():
     assert first.is_first_stage and first.is_last_stage  # embedding and head on one rank
     assert not ParallelLayout(3, rank=2, chunks=2, placement=V).is_last_stage
     assert layout.rank_of(bottom[0]) == layout.rank_of(bottom[1])  # the turn is local
+    assert layout.same_process(2, 3) and layout.same_process(0, 5)
+    assert not layout.same_process(1, 2) and not layout.same_process(3, 4)
+    assert first.holds(0) and first.holds(5) and not first.holds(1)
     # with dp the replicas stay innermost
     assert ParallelLayout(2, dp=2, rank=1, chunks=2, placement=V).rank_of(3) == 1
     with pytest.raises(ValueError, match="exactly 2 model stages on each pipeline position"):
@@ -301,16 +305,30 @@ def test_the_one_process_engine_trains_them_as_sync_on_their_model_stages(tiny_m
     assert all(torch.equal(weights[n], sync_weights[n]) for n in weights)
 
 
-def test_the_pipeline_runtime_refuses_them_before_any_work():
-    assert {"zb-v", "dualpipev"}.isdisjoint(PIPELINE_SCHEDULES)  # the planner's, the GPU check's
+def test_a_launch_places_them_by_their_registry_entry(monkeypatch):
+    """torchrun's layout takes the schedule's placement: the head's process is rank 0."""
+    assert {"zb-v", "dualpipev"}.isdisjoint(PIPELINE_SCHEDULES)  # no planner rows yet
+    assert not schedule_spec("zb-v").compared and schedule_spec("zb-h1").compared
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    cfg = build_config({"schedule": "dualpipev", "stages": 2, "dp": 2, "microbatches": 4})
+    layout = launch_layout(cfg)
+    assert (layout.placement, layout.pp_rank, layout.replica, layout.stages) == (V, 1, 0, (1, 2))
+    assert ParallelLayout.of(cfg, placement=V).rank_of(3) == 0
+    cfg = build_config({"schedule": "zb-h1", "stages": 2, "dp": 2, "microbatches": 4})
+    assert launch_layout(cfg).placement == "loop"
+
+
+def test_tied_embeddings_under_v_are_refused_with_the_fix(tiny_mc):
+    """The embedding and the head share process 0 under V: refused before the engine is built,
+    naming the setting to change (the loop placements run them: tests/test_tied_embeddings.py)."""
     cfg = build_config({"schedule": "zb-v", "stages": 2, "microbatches": 4})
-    assert cfg.chunks == 2 and ParallelLayout.of(cfg).model_stages == 4
-    with pytest.raises(
-        ConfigError,
-        match=r"zb-v does not run on the pipeline runtime yet.*"
-        r"train it without torchrun",
-    ):
-        check_launch(cfg, ParallelLayout(2, chunks=2, placement=V))
+    tied, untied = (dataclasses.replace(tiny_mc, tie_embeddings=tie) for tie in (True, False))
+    v = ParallelLayout(2, chunks=2, placement=V)
+    with pytest.raises(ConfigError, match=r"zb-v with tied embeddings.*set tie_embeddings=false"):
+        check_model(cfg, tied, v)
+    check_model(cfg, untied, v)
+    check_model(cfg, tied, ParallelLayout(2, chunks=2))  # a loop: the all-reduce of two copies
 
 
 def test_the_cli_draws_them(tmp_path, capsys):

@@ -82,15 +82,19 @@ class ParallelLayout:
         self._check_rank(self.rank)
 
     @classmethod
-    def of(cls, cfg: TrainConfig, rank: int = 0) -> ParallelLayout:
+    def of(cls, cfg: TrainConfig, rank: int = 0, placement: str = LOOP) -> ParallelLayout:
         """The layout ``cfg`` asks for, seen from ``rank`` (as a description, rank 0 will do);
-        ``chunks`` must be resolved (:func:`nobubble.configure.build_config` does)."""
+        ``chunks`` must be resolved (:func:`nobubble.configure.build_config` does).
+        ``placement``: the schedule's (its registry entry's, which this layer cannot read; the
+        count of model stages does not depend on it)."""
         if cfg.chunks is None:
             raise ValueError("chunks is not resolved: build the config with build_config")
-        return cls(cfg.stages, cfg.dp, rank, cfg.chunks)
+        return cls(cfg.stages, cfg.dp, rank, cfg.chunks, placement)
 
     @classmethod
-    def from_world(cls, pp: int, dp: int, rank: int, world: int, chunks: int = 1) -> ParallelLayout:
+    def from_world(
+        cls, pp: int, dp: int, rank: int, world: int, chunks: int = 1, placement: str = LOOP
+    ) -> ParallelLayout:
         """The layout of ``rank`` in a launch of ``world`` processes; a :class:`ConfigError`
         (saying how to launch instead) if ``world`` is not ``pp * dp``."""
         needed = pp * dp
@@ -101,7 +105,7 @@ class ParallelLayout:
                 f"torchrun started {world} processes but the config asks for {asked}; run "
                 f"`torchrun --nproc-per-node {needed} ...`{fix}"
             )
-        return cls(pp, dp, rank, chunks)
+        return cls(pp, dp, rank, chunks, placement)
 
     @property
     def world(self) -> int:
@@ -141,6 +145,16 @@ class ParallelLayout:
         """Which of its process's model stages ``stage`` is (0 for the first; both placements
         put stage c·P + i in chunk c)."""
         return stage // self.pp
+
+    def holds(self, stage: int) -> bool:
+        """Whether this process holds model stage ``stage``."""
+        return stage in self.stages
+
+    def same_process(self, stage: int, other: int) -> bool:
+        """Whether model stages ``stage`` and ``other`` sit on one process (of each replica): a
+        hand-off between them stays in memory, no message (the bottom of the V; the first and
+        the last stage under V)."""
+        return self.position_of(stage) == self.position_of(other)
 
     @property
     def replica(self) -> int:

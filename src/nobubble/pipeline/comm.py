@@ -131,6 +131,15 @@ class Messenger:
             self._wait_sends(self.sends[:-SEND_WINDOW])
             del self.sends[:-SEND_WINDOW]
 
+    def hand_over(
+        self, tensor: torch.Tensor, channel: Channel, device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """What a message of ``tensor`` on ``channel`` would deliver, handed to another stage of
+        this process in memory (the bottom of the V): detached, in the wire dtype on the way, in
+        ``dtype`` on ``device`` at the end, so that a local hand-off computes what a message
+        does."""
+        return tensor.detach().to(self._on_wire(tensor.dtype, channel)).to(device, dtype)
+
     def post_recv(
         self,
         shape: tuple[int, ...],

@@ -51,11 +51,17 @@ class PipelinedEvaluation:
         ]
         count = self.val_batches * self.cfg.microbatches
         for i in range(count):
+            handed: torch.Tensor | None = None  # the output of the stage before, on this process
             for stage, held in self.held.items():
-                out = self._forward(held, micro[i][:, :-1] if held.first else None, i)
+                out = self._forward(held, micro[i][:, :-1] if held.first else handed, i)
                 if held.last:
                     terms = microbatch_sums(out, micro[i][:, 1:], token_bytes)
                     sums = terms if sums is None else sums + terms
+                elif self.layout.same_process(stage, stage + 1):  # the bottom of the V
+                    channel = Channel.EVAL_ACTIVATION
+                    handed = self.messenger.hand_over(
+                        out.float(), channel, self.device, torch.float32
+                    )
                 else:
                     chunk = self.layout.chunk_of(stage + 1)
                     sequence = self.sequence + i
@@ -69,7 +75,8 @@ class PipelinedEvaluation:
 
     def _forward(self, held: HeldStage, x: torch.Tensor | None, i: int) -> torch.Tensor:
         """Stage ``held``'s output of microbatch ``i``: from its input ``x`` (the first stage's
-        tokens), or from the previous stage's activation."""
+        tokens, or the output of the stage before handed over on this process), or from the
+        previous stage's activation, received."""
         if x is None:
             x = self.messenger.recv(
                 self.hidden_shape,
@@ -90,8 +97,8 @@ class PipelinedEvaluation:
         reduction = self.held[self.layout.stages[-1]].reduction
         if self.layout.is_last_stage and reduction:
             reduction.sum_now(sums, "the evaluation totals of the other replicas")
-        if self.layout.pp == 1:
-            return sums
+        if self.layout.same_process(0, self.layout.model_stages - 1):
+            return sums  # the head's process is the first stage's (one stage; V's rank 0)
         if self.layout.is_last_stage:
             self.messenger.send(sums, 0, Channel.EVAL_SUMS, self.sequence)
         if self.layout.is_first_stage:

@@ -33,12 +33,15 @@ RECV_AHEAD = 4  # post a receive this many actions before the action that consum
 def in_run(action: Action, start: int, delays: Sequence[int], microbatches: int) -> Action:
     """``action`` of a schedule that starts at step 0, placed in a run at step ``start``: its
     global step and microbatch, and the version the delay rule gives (a STEP: the version it
-    makes, step + 1; F, B and their messages: the delayed version)."""
+    makes, step + 1; F, B and their messages: the delayed version); an F&B's halves alike."""
     step = action.step + start
     delay = delays[action.stage]
     version = step + 1 if action.kind is ActionKind.STEP else gradient_version(step, delay)
     microbatch = None if action.microbatch is None else action.microbatch + start * microbatches
-    return dataclasses.replace(action, step=step, microbatch=microbatch, version=version)
+    paired = None if action.paired is None else in_run(action.paired, start, delays, microbatches)
+    return dataclasses.replace(
+        action, step=step, microbatch=microbatch, version=version, paired=paired
+    )
 
 
 def segment_actions(

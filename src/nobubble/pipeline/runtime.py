@@ -466,8 +466,10 @@ class ActionRunner:
     def received(self, kind: ActionKind, action: Action) -> torch.Tensor:
         return self.engine.messenger.wait(self.recvs.pop((kind, action.stage, action.microbatch)))
 
-    def microbatch(self, action: Action) -> torch.Tensor:
-        """The token rows of this F's microbatch (first and last stage only)."""
+    def microbatch(self, held: HeldStage, action: Action) -> torch.Tensor:
+        """The token rows of this F's microbatch (first and last stage only). A step's batch is
+        let go after its last microbatch's last read: the head's, where this process holds the
+        head (under V it holds the embedding too, and the head reads after it)."""
         if action.step not in self.batches:
             batch = self.next_batch()
             if self.engine.device.type == "cuda":  # queued behind the compute, not waited for
@@ -475,7 +477,9 @@ class ActionRunner:
             self.batches[action.step] = batch.chunk(self.engine.micro_per_step)
         index = action.microbatch - action.step * self.engine.micro_per_step
         rows = replica_rows(self.batches[action.step][index], self.engine.layout)
-        if index == self.engine.micro_per_step - 1:
+        if index == self.engine.micro_per_step - 1 and (
+            held.last or not self.engine.layout.is_last_stage
+        ):
             del self.batches[action.step]
         return rows
 
@@ -486,11 +490,8 @@ class ActionRunner:
 
     def forward(self, held: HeldStage, action: Action) -> None:
         engine = self.engine
-        rows = self.microbatch(action) if (held.first or held.last) else None
-        if held.first:
-            x = rows[:, :-1]
-        else:
-            x = self.received(ActionKind.RECV_ACT, action).requires_grad_(True)
+        rows = self.microbatch(held, action) if (held.first or held.last) else None
+        x = rows[:, :-1] if held.first else self.stage_input(action).requires_grad_(True)
         recording = held.split.forward(action.microbatch) if held.split else nullcontext()
         with recording, autocast(engine.device, engine.cfg.dtype):
             out = functional_call(held.module, held.trained.at(action.step), (x,))
@@ -498,6 +499,25 @@ class ActionRunner:
             out = lm_loss(out, rows[:, 1:])
             self.losses[action.step] = self.losses.get(action.step, 0.0) + out.detach().double()
         self.stash[action.stage, action.microbatch] = (x, out)
+
+    def stage_input(self, action: Action) -> torch.Tensor:
+        """The activation the F ``action`` runs on: the output of the stage before, handed over
+        in memory where this process holds it too (the bottom of the V), received otherwise."""
+        engine, before = self.engine, action.stage - 1
+        if not engine.layout.same_process(before, action.stage):
+            return self.received(ActionKind.RECV_ACT, action)
+        out = self.stash[before, action.microbatch][1]
+        return engine.messenger.hand_over(out, Channel.ACTIVATION, engine.device, torch.float32)
+
+    def output_gradient(self, action: Action) -> torch.Tensor:
+        """The gradient of the output of the backward ``action``'s stage: the input gradient of
+        the stage after, handed over in memory where this process holds it too (the bottom of
+        the V), received otherwise."""
+        engine, after = self.engine, action.stage + 1
+        if not engine.layout.same_process(action.stage, after):
+            return self.received(ActionKind.RECV_GRAD, action)
+        grad = self.input_grads.pop((after, action.microbatch))
+        return engine.messenger.hand_over(grad, Channel.GRADIENT, engine.device, torch.float32)
 
     def _backward_target(
         self, held: HeldStage, action: Action
@@ -507,12 +527,14 @@ class ActionRunner:
         out = self.stash[action.stage, action.microbatch][1]
         if held.last:
             return out / self.engine.micro_per_step, None
-        return out, self.received(ActionKind.RECV_GRAD, action)
+        return out, self.output_gradient(action)
 
     def backward(self, held: HeldStage, action: Action) -> None:
         target, grad = self._backward_target(held, action)
         x, _ = self.stash.pop((action.stage, action.microbatch))
         target.backward(grad)
+        if held.split:  # a whole B on a stage that splits its other backwards (DualPipeV)
+            held.split.drop(action.microbatch)
         if not held.first:
             self.input_grads[action.stage, action.microbatch] = x.grad
 
@@ -531,6 +553,18 @@ class ActionRunner:
     def weight_gradient(self, held: HeldStage, action: Action) -> None:
         """W of a split backward: the linear layers' weight gradients."""
         held.split.weight_gradient(action.microbatch)
+
+    def overlapped(self, held: HeldStage, action: Action) -> None:
+        """An overlapped F&B (DualPipeV): the forward half on ``held``, the backward half (a
+        whole B) on another stage of this process, each as its own action would run it. Here
+        they run one after the other, which on the CPU, where nothing would run beside them,
+        costs nothing; this is the one place where a GPU build would overlap them: launch the
+        halves on two CUDA streams (or interleave their kernels, as DeepSeek's DualPipe does) so
+        that one half's all-to-alls and pipeline messages run under the other's compute. Both
+        halves' receives are posted before the action and both sends follow it (lowering)."""
+        forward, backward = action.parts
+        self.forward(held, forward)
+        self.backward(self.engine.held[backward.stage], backward)
 
     def send_activation(self, held: HeldStage, action: Action) -> None:
         self.engine.messenger.send(
@@ -565,6 +599,7 @@ class ActionRunner:
         ActionKind.B: backward,
         ActionKind.I: input_gradient,
         ActionKind.W: weight_gradient,
+        ActionKind.FB: overlapped,
         ActionKind.SEND_ACT: send_activation,
         ActionKind.SEND_GRAD: send_gradient,
         ActionKind.RECV_ACT: receive,

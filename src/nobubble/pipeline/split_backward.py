@@ -86,6 +86,11 @@ class SplitBackward:
                 accumulate(weight, g)
         return grads[0] if stage_input is not None else None
 
+    def drop(self, microbatch: int) -> None:
+        """Forget this microbatch's records: a whole B computed its weight gradients (DualPipeV
+        splits some backwards of a stage and not others)."""
+        del self.records[microbatch]
+
     def weight_gradient(self, microbatch: int) -> None:
         """W: the deferred layers' weight gradients of this microbatch."""
         for r in self.records.pop(microbatch):

@@ -84,9 +84,10 @@ class StepStatistics:
                     f"the statistics of step {step}",
                 )
             )
-        # model stage c·P + r is row c of pipeline rank r's report
+        # a model stage's row: its chunk's in its process's report, placed by the layout (stage
+        # c·P + r on rank r in a loop; under V the last stage's is rank 0's second row)
         reports = [
-            by_rank[s % layout.pp][layout.chunk_of(s)] for s in range(len(by_rank) * layout.chunks)
+            by_rank[layout.position_of(s)][layout.chunk_of(s)] for s in range(layout.model_stages)
         ]
         routing = {}
         for stage, row in enumerate(reports):

@@ -31,7 +31,7 @@ from nobubble.data.tokenizer import tokenizer_from_json
 from nobubble.device import configure_torch
 from nobubble.engine import Engine
 from nobubble.interrupt import Interrupted
-from nobubble.layout import ParallelLayout, replica_group
+from nobubble.layout import ParallelLayout, V, replica_group
 from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.links import resolve_links
 from nobubble.pipeline.process_group import (
@@ -69,17 +69,12 @@ def launch_layout(cfg: TrainConfig) -> ParallelLayout:
             "gains nothing from interleaving; use stages >= 2 (processes), or train without "
             "torchrun (the one-process engine runs the same semantics)"
         )
-    return ParallelLayout.from_world(cfg.stages, cfg.dp, rank, world, chunks)
+    placement = schedule_spec(cfg.schedule).placement
+    return ParallelLayout.from_world(cfg.stages, cfg.dp, rank, world, chunks, placement)
 
 
 def check_launch(cfg: TrainConfig, layout: ParallelLayout) -> None:
     """Errors that must stop every rank before any work starts (the config itself is valid)."""
-    if not schedule_spec(cfg.schedule).runtime:
-        raise ConfigError(
-            f"{cfg.schedule} does not run on the pipeline runtime yet (its V placement and "
-            "actions: docs/schedules.md); train it without torchrun (the one-process engine "
-            "runs its semantics exactly), or use zb-h1, zb-h2 or interleaved-1f1b under torchrun"
-        )
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts and not cfg.out:
         raise ConfigError(
@@ -92,6 +87,19 @@ def check_launch(cfg: TrainConfig, layout: ParallelLayout) -> None:
             "worker that fails before then ends the job; set checkpoint_every=N",
             file=sys.stderr,
             flush=True,
+        )
+
+
+def check_model(cfg: TrainConfig, mc: ModelConfig, layout: ParallelLayout) -> None:
+    """Errors of the model's shape against the layout, raised alike on every rank before the
+    engine is built (the model's tied embedding is known once its preset is resolved)."""
+    if mc.tie_embeddings and layout.placement == V and layout.pp > 1:
+        raise ConfigError(
+            f"{cfg.schedule} with tied embeddings does not run under torchrun yet: the V "
+            "placement puts the embedding and the head (the first and the last model stage) on "
+            "one process, whose two copies of the tied weight the runtime does not sum in place "
+            "(docs/pipeline.md); set tie_embeddings=false, train without torchrun (the "
+            "one-process engine runs it exactly), or use zb-h1, zb-h2 or interleaved-1f1b"
         )
 
 
@@ -230,6 +238,7 @@ class TorchrunLauncher:
         return build_stage_data(cfg, run_dir, self.layout)
 
     def engine(self, cfg: TrainConfig, mc: ModelConfig, val_batches: int) -> Engine:
+        check_model(cfg, mc, self.layout)
         return PipelineEngine(cfg, mc, self.device, val_batches, self.layout, self.replicas)
 
     def barrier(self) -> None:

@@ -136,10 +136,10 @@ class ScheduleSpec:
     # stages r and 2P-1-r on rank r (exactly 2 per rank)
     placement: str = LOOP
     split_backward: bool = False  # backwards are I + W (zero-bubble), not B (or some of them)
-    # whether the pipeline runtime (torchrun) runs it; False: the one-process engine trains with
-    # its semantics (which do not depend on the order) and `nobubble schedule` generates, checks,
-    # simulates and draws it, until the runtime runs its placement and actions (issue 39)
-    runtime: bool = True
+    # whether listings and comparisons take it (PIPELINE_SCHEDULES: the planner's rows, the GPU
+    # check, `nobubble schedule --schedule all`); False: both engines train it and `nobubble
+    # schedule --schedule NAME` draws it, but the planner has no rows for it yet (issue 39)
+    compared: bool = True
     # another name for that schedule's semantics and order (sync: 1f1b); left out of listings
     same_as: str | None = None
 
@@ -268,7 +268,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             default_chunks=2,
             placement=V,
             split_backward=True,
-            runtime=False,
+            compared=False,
         ),
         ScheduleSpec(
             "dualpipev",
@@ -282,18 +282,17 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             default_chunks=2,
             placement=V,
             split_backward=True,
-            runtime=False,
+            compared=False,
         ),
     )
 }
-# every name the ``schedule`` setting and ``nobubble schedule`` know (a torchrun launch refuses the
-# runtime=False ones)
+# every name the ``schedule`` setting and ``nobubble schedule`` know; both engines run each
 SCHEDULE_NAMES = tuple(SCHEDULES)
-# the distinct pipeline orders the pipeline runtime runs, for listings and comparisons (the
-# planner, the GPU check, `nobubble schedule --schedule all`); sync is 1f1b, and the
-# runtime=False ones join once the runtime runs them
+# the distinct pipeline orders that listings and comparisons take (the planner, the GPU check,
+# `nobubble schedule --schedule all`); sync is 1f1b, and the compared=False ones join once the
+# planner has their rows
 PIPELINE_SCHEDULES = tuple(
-    name for name, spec in SCHEDULES.items() if spec.same_as is None and spec.runtime
+    name for name, spec in SCHEDULES.items() if spec.same_as is None and spec.compared
 )
 # the schedules whose gradients are computed at the weights they update (sync included)
 SYNCHRONOUS_SCHEDULES = frozenset(name for name, spec in SCHEDULES.items() if spec.flushes)
