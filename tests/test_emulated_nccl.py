@@ -3,7 +3,7 @@ would run it.
 
 - Every schedule runs under it and computes bitwise what the plain gloo run computes: losses and
   final weights (P = 2 and 4, data parallelism with replicated and sharded state, tied
-  embeddings, MoE). `make test` runs a few
+  embeddings, MoE; the V placement's zb-v and dualpipev). `make test` runs a few
   cases that between them cross every path (per-edge routes in both directions, the tied and the
   data-parallel all-reduces, the split backward, MoE's statistics); the rest are `extended`.
 - The negative control: with every message on one group (``p2p_routes=shared``), 1F1B on two
@@ -56,6 +56,13 @@ CASES = [
     pytest.param(4, "zb-h2", 8, ["optim=adamw"], marks=EXTENDED),
     pytest.param(4, "interleaved-1f1b", 8, ["optim=adamw", "n_layers=8"], marks=EXTENDED),
     pytest.param(4, "1f1b", 4, ["optim=adamw", *MOE], marks=EXTENDED),
+    # the V placement: two edges between each pair of neighbouring processes (down and back
+    # up), the turn handed over in memory; dualpipev's overlapped F&B posts both halves'
+    # receives before it and both sends after it
+    (2, "dualpipev", 4, ["optim=adamw"]),
+    pytest.param(2, "zb-v", 4, ["optim=adamw"], marks=EXTENDED),
+    pytest.param(4, "zb-v", 8, ["optim=adamw", "n_layers=8"], marks=EXTENDED),
+    pytest.param(4, "dualpipev", 8, ["optim=adamw", "n_layers=8"], marks=EXTENDED),
 ]
 
 DP_CASES = [
@@ -63,6 +70,7 @@ DP_CASES = [
     (2, "2bw", 2, ["optim=adamw", *MOE]),  # the replicas' all-reduce carries the routing sums
     pytest.param(2, "interleaved-1f1b", 2, ["optim=adamw", "tie_embeddings=true"], marks=EXTENDED),
     pytest.param(1, "sync", 2, ["optim=adamw"], marks=EXTENDED),  # replicas only: no edge
+    pytest.param(2, "dualpipev", 4, ["optim=adamw"], marks=EXTENDED),  # a replica of each stage
 ]
 
 
