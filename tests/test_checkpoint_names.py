@@ -298,6 +298,20 @@ def test_an_interleaved_pipeline_checkpoint_continues_exactly_in_one_process(tmp
 
 
 @pytest.mark.slow
+def test_a_dualpipev_pipeline_resumed_equals_the_uninterrupted_run(tmp_path):
+    """Under V each process holds stages r and 2P-1-r (0, 3 and 1, 2): one shard each, by name;
+    the pipeline continued from step 3 is the uninterrupted run (the one-process engine's, which
+    tests/test_pipeline_parity.py holds bitwise equal to the pipeline's)."""
+    common = [*CONSTANT, "schedule=dualpipev", "microbatches=4", "stages=2", "optim=adamw"]
+    assert train(tmp_path / "full", *common, "steps=6") == 0
+    nobubble(tmp_path / "cut", *common, "steps=3", stages=2)
+    step3 = tmp_path / "cut" / "checkpoints" / "step_000003"
+    assert json.loads((step3 / "manifest.json").read_text())["shards"] == 2
+    launch("--resume", str(tmp_path / "cut"), "steps=6", stages=2)
+    assert_same_run(tmp_path / "full", tmp_path / "cut")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "optim",
     [["optim=adamw", "correction=ef"], pytest.param(["optim=muon"], marks=EXTENDED)],
