@@ -34,6 +34,9 @@ CASES = [
     # the auxiliary loss's gradient through the split backward (W runs the router's later)
     pytest.param(3, "zb-h1", 4, ["optim=adamw", "moe_aux_coef=0.1"], marks=EXTENDED),
     pytest.param(2, "interleaved-1f1b", 4, ["optim=muon"], marks=EXTENDED),
+    # the V placement: stage 3's routing in process 0's second row; the auxiliary loss's
+    # gradient through dualpipev's whole B's (in F&B's) and split ones
+    pytest.param(2, "dualpipev", 4, ["optim=adamw", "moe_aux_coef=0.1"], marks=EXTENDED),
 ]
 
 
