@@ -40,6 +40,9 @@ def test_labels_are_a_shared_no_op_unless_a_trace_records(tmp_path):
     try:
         assert isinstance(label("x"), torch.profiler.record_function)
         assert isinstance(action_label(action), torch.profiler.record_function)
+        back = Action(ActionKind.B, 3, 4, 1, 2)
+        pair = action_label(Action(ActionKind.FB, 0, 5, 1, 2, paired=back))
+        assert pair.name == "F mb5 v1 & B mb4 v1"  # an overlapped F&B names both halves
         receive = Action(ActionKind.RECV_ACT, 1, 5, 1, 2, peer=0)
         assert action_label(receive) is null  # its wait is labelled where the data is used
     finally:

@@ -71,12 +71,15 @@ def labelled(text: str) -> Callable[[F], F]:
 
 def action_label(action: Action) -> AbstractContextManager:
     """A schedule action's range: ``F mb5 v1`` (microbatch 5 with weight version 1, the cell
-    ``F5v1`` of ``nobubble schedule``), ``B mb5 v1``, ``STEP v2`` (the update that makes version
-    2: step 2), ``SEND_ACT mb5 -> s1``."""
+    ``F5v1`` of ``nobubble schedule``), ``B mb5 v1``, ``F mb5 v1 & B mb3 v1`` (an overlapped
+    F&B), ``STEP v2`` (the update that makes version 2: step 2), ``SEND_ACT mb5 -> s1``."""
     if not _recording or action.kind in RECEIVES:  # receives: waited for inside an F or B
         return _NULL
     if action.kind is ActionKind.STEP:
         return record_function(f"STEP v{action.version}")
+    if action.paired is not None:
+        halves = (f"{a.kind} mb{a.microbatch} v{a.version}" for a in action.parts)
+        return record_function(" & ".join(halves))
     text = f"{action.kind} mb{action.microbatch}"
     if action.kind.is_compute:
         return record_function(f"{text} v{action.version}")
