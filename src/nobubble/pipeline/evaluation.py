@@ -57,7 +57,7 @@ class PipelinedEvaluation:
                 if held.last:
                     terms = microbatch_sums(out, micro[i][:, 1:], token_bytes)
                     sums = terms if sums is None else sums + terms
-                elif self.layout.same_process(stage, stage + 1):  # the bottom of the V
+                elif self.layout.holds(stage + 1):  # the bottom of the V
                     channel = Channel.EVAL_ACTIVATION
                     handed = self.messenger.hand_over(
                         out.float(), channel, self.device, torch.float32

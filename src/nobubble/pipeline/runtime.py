@@ -1,14 +1,16 @@
 """One pipeline process: executes its action list of the schedule IR on real tensors.
 
 The process holds one model stage, or several under an interleaved schedule (the layout's
-``chunks``); each is a :class:`nobubble.pipeline.held_stage.HeldStage` with its slice of the
-model and its weight versions (:class:`nobubble.versions.VersionStore`, the same as the
-one-process engine's), and every action names the stage it runs on. Every F runs with the
-version its action names and every B with the same one (weight stashing through
-``functional_call``, never an in-place swap); a STEP clips, steps the optimizer on the newest
-version and, when microbatches in flight still need it, first copies it (two versions under 2bw).
-With weight prediction every F and B of a step runs at its prediction ŵ instead, formed at the
-step's first F from the versions held then (:mod:`nobubble.corrections.predict`).
+``chunks``) or two under the V placement (zb-v, dualpipev: stages r and 2P-1-r, where the turn from
+stage P-1 to P is handed over in memory, not sent; docs/pipeline.md); each is a
+:class:`nobubble.pipeline.held_stage.HeldStage` with its slice of the model and its weight versions
+(:class:`nobubble.versions.VersionStore`, the same as the one-process engine's), and every action
+names the stage it runs on. Every F runs with the version its action names and every B with the
+same one (weight stashing through ``functional_call``, never an in-place swap); a STEP clips, steps
+the optimizer on the newest version and, when microbatches in flight still need it, first copies it
+(two versions under 2bw). With weight prediction every F and B of a step runs at its prediction ŵ
+instead, formed at the step's first F from the versions held then
+(:mod:`nobubble.corrections.predict`).
 
 This module runs the actions: each kind has its handler (:data:`ActionRunner.HANDLERS`). The rest
 has a module each: what a process runs and when (:mod:`~nobubble.pipeline.plan`), whether a step
@@ -504,7 +506,7 @@ class ActionRunner:
         """The activation the F ``action`` runs on: the output of the stage before, handed over
         in memory where this process holds it too (the bottom of the V), received otherwise."""
         engine, before = self.engine, action.stage - 1
-        if not engine.layout.same_process(before, action.stage):
+        if not engine.layout.holds(before):
             return self.received(ActionKind.RECV_ACT, action)
         out = self.stash[before, action.microbatch][1]
         return engine.messenger.hand_over(out, Channel.ACTIVATION, engine.device, torch.float32)
@@ -514,7 +516,7 @@ class ActionRunner:
         the stage after, handed over in memory where this process holds it too (the bottom of
         the V), received otherwise."""
         engine, after = self.engine, action.stage + 1
-        if not engine.layout.same_process(action.stage, after):
+        if not engine.layout.holds(after):
             return self.received(ActionKind.RECV_GRAD, action)
         grad = self.input_grads.pop((after, action.microbatch))
         return engine.messenger.hand_over(grad, Channel.GRADIENT, engine.device, torch.float32)
