@@ -337,3 +337,16 @@ def test_smollm2_135m_pipelines_over_4_stages(tmp_path):
     nobubble(tmp_path / "pipeline", *SMOLLM2, "stages=4", stages=4, timeout=900)
     assert_same_run(tmp_path / "pipeline", tmp_path / "simulated")
     assert_copies_equal(tmp_path / "pipeline", 4)
+
+
+@pytest.mark.slow
+def test_a_v_schedule_with_tied_embeddings_under_torchrun_stops_every_rank_with_the_fix(tmp_path):
+    """The V placement's two copies would share rank 0 (docs/pipeline.md, The V placement):
+    every rank refuses before its engine is built, none waits for another, no run is left."""
+    run = tmp_path / "r"
+    settings = ["schedule=zb-v", "stages=2", "microbatches=4", "steps=2", "tie_embeddings=true"]
+    result = nobubble(run, *settings, stages=2, check=False)
+    assert result.returncode == 2
+    error = result.stderr
+    assert "zb-v with tied embeddings" in error and "tie_embeddings=false" in error  # the fix
+    assert not run.exists()
