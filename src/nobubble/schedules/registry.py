@@ -341,14 +341,19 @@ CANDIDATES: dict[str, ScheduleSpec] = {
 }
 
 
+def candidate_refusal(name: str) -> str:
+    """Why candidate ``name`` cannot be asked for: no engine runs it yet."""
+    return (
+        f"schedule {name!r} is not supported yet: it is a candidate under study that neither "
+        'engine runs (docs/schedules.md, "An asynchronous V (2bw-v)"); choose one of: '
+        f"{', '.join(SCHEDULE_NAMES)}"
+    )
+
+
 def schedule_spec(name: str) -> ScheduleSpec:
     """The spec of pipeline schedule ``name``; a clear error naming the choices otherwise."""
     if name in CANDIDATES:
-        raise ScheduleError(
-            f"{name} is not supported yet: it is a candidate under study, which neither engine "
-            'runs (docs/schedules.md, "An asynchronous V: why not (yet)"); choose one of: '
-            f"{', '.join(SCHEDULE_NAMES)}"
-        )
+        raise ScheduleError(candidate_refusal(name))
     try:
         return SCHEDULES[name]
     except KeyError:
