@@ -5,7 +5,8 @@ the activations held on the fullest rank and on every rank (in a loop stage's ac
 stage holds half a rank's layers, so its microbatches count half), the weight versions held per
 rank (in a loop stage's weights), the step time and the idle time per rank over the run, with a
 forward of a rank's layers taking 1 and its backward 2 (a V stage: half of each; ZB-V's weight
-gradient half of the backward). Every schedule's list passes its invariants first.
+gradient half of the backward). Every schedule's list passes its invariants first. Then
+2bw-v's wave alone up to P = 64 (no simulation needed: its order gives its peak).
 
     PYTHONPATH=src python experiments/async_v.py [--steps 4]
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from nobubble.schedules import check_invariants, generate, lower, simulate
 from nobubble.schedules.registry import CANDIDATES, ScheduleSpec, schedule_spec
 from nobubble.schedules.timing import split_rank_times
+from nobubble.schedules.v_wave import wave_lag, wave_peak_activations
 
 SCHEDULES = ("1f1b", "2bw", "zb-v", "2bw-v")
 FORWARD, BACKWARD = 1.0, 2.0  # one rank's layers (a loop stage)
@@ -107,12 +109,32 @@ def markdown(table: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def wave_markdown(all_ranks: tuple[int, ...]) -> str:
+    """2bw-v's wave alone, for larger P: its fullest rank against 2bw's first (P) and against
+    the bound no V order can go below ((P+1)/2: a V stage's round trips with no wait), all in a
+    loop stage's activations, and its least M (2bw's: P)."""
+    lines = [
+        "| P | 2bw-v, fullest rank | 2bw, first rank | 2bw-v / 2bw | bound (P+1)/2 "
+        "| 2bw-v's least M |",
+        "|---|---|---|---|---|---|",
+    ]
+    for ranks in all_ranks:
+        fullest = max(wave_peak_activations(r, ranks) for r in range(ranks)) / 2
+        lines.append(
+            f"| {ranks} | {_figure(fullest)} | {ranks} | {fullest / ranks:.2f} | "
+            f"{_figure((ranks + 1) / 2)} | {wave_lag(ranks)} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     shapes = [(p, m) for p in (2, 4, 8) for m in (2 * p, 4 * p)]
     print(markdown(rows(shapes, args.steps)))
+    print()
+    print(wave_markdown((2, 3, 4, 5, 6, 8, 12, 16, 32, 64)))
 
 
 if __name__ == "__main__":

@@ -138,3 +138,10 @@ def test_the_table() -> None:
     assert "| 4 | 8 | 2bw-v | 3 | 3, 3, 2.5, 3 | 2, 2, 2, 2 | 26.25 | 9 |" in study.markdown(
         list(rows.values())
     )
+    # the wave alone: fullest rank, 2bw's, the ratio, the bound (P+1)/2, the least M
+    wave = study.wave_markdown((3, 8, 64)).splitlines()[2:]
+    assert wave == [
+        "| 3 | 3 | 3 | 1.00 | 2 | 4 |",
+        "| 8 | 6 | 8 | 0.75 | 4.5 | 10 |",
+        "| 64 | 43 | 64 | 0.67 | 32.5 | 84 |",
+    ]
