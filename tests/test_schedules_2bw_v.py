@@ -145,3 +145,14 @@ def test_the_table() -> None:
         "| 8 | 6 | 8 | 0.75 | 4.5 | 10 |",
         "| 64 | 43 | 64 | 0.67 | 32.5 | 84 |",
     ]
+
+
+@pytest.mark.parametrize(
+    ("fwd", "bwd", "comm"), [(1.0, 1.0, 0.0), (1.0, 3.0, 0.5), (2.0, 2.5, 1.0)]
+)
+def test_other_times_run_the_order_too(fwd: float, bwd: float, comm: float) -> None:
+    # the order is the wave's (B = 2F) but follows the dependencies, so any times run it
+    actions = generate(SPEC, 4, 6, 3)
+    result = simulate(lower(actions), fwd=fwd, bwd=bwd, comm=comm)
+    assert result.violations == []
+    assert check_invariants(actions, SPEC, result) == []
