@@ -317,7 +317,7 @@ PIPELINE_SCHEDULES = tuple(
 SYNCHRONOUS_SCHEDULES = frozenset(name for name, spec in SCHEDULES.items() if spec.flushes)
 
 
-# schedules under study (docs/schedules.md, "An asynchronous V: why not (yet)"): generated,
+# schedules under study (docs/schedules.md, "An asynchronous V (2bw-v)"): generated,
 # checked by the invariants and timed by the simulator when their spec is passed in, but no
 # engine runs them and no setting names them
 CANDIDATES: dict[str, ScheduleSpec] = {

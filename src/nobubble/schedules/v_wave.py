@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from nobubble.layout import ParallelLayout, V
 from nobubble.schedules.ir import ActionKind
 
 SLOTS = {ActionKind.F: 1, ActionKind.B: 2}  # a model stage's forward and whole backward
@@ -29,18 +30,14 @@ def chain(ranks: int) -> list[tuple[ActionKind, int]]:
     return [(ActionKind.F, s) for s in stages] + [(ActionKind.B, s) for s in reversed(stages)]
 
 
-def rank_of(stage: int, ranks: int) -> int:
-    """The rank the V placement puts ``stage`` on (the layout's map, restated for the wave)."""
-    return stage if stage < ranks else 2 * ranks - 1 - stage
-
-
 def wave_offsets(ranks: int) -> dict[tuple[ActionKind, int], int]:
     """The start slot of each (kind, model stage) of microbatch 0 in the steady state."""
+    layout = ParallelLayout(ranks, chunks=2, placement=V)
     taken: list[set[int]] = [set() for _ in range(ranks)]  # slots modulo the period
     offsets: dict[tuple[ActionKind, int], int] = {}
     ready = 0
     for kind, stage in chain(ranks):
-        rank, slots = rank_of(stage, ranks), SLOTS[kind]
+        rank, slots = layout.position_of(stage), SLOTS[kind]
         start = ready
         while any((start + i) % PERIOD in taken[rank] for i in range(slots)):
             start += 1
@@ -60,11 +57,11 @@ def wave_order(rank: int, ranks: int, count: int) -> Iterator[tuple[ActionKind, 
     """Rank ``rank``'s (kind, model stage, microbatch index) for microbatches 0 .. count-1, in
     the order of their start times in the wave: in period j, its actions by slot, each of the
     microbatch that reaches it then (j minus the action's lag in periods)."""
-    offsets = wave_offsets(ranks)
+    layout = ParallelLayout(ranks, chunks=2, placement=V)
     mine = sorted(
         (start % PERIOD, start // PERIOD, kind, stage)
-        for (kind, stage), start in offsets.items()
-        if rank_of(stage, ranks) == rank
+        for (kind, stage), start in wave_offsets(ranks).items()
+        if layout.position_of(stage) == rank
     )
     longest = max(lag for _, lag, _, _ in mine)
     for period in range(count + longest):
