@@ -24,7 +24,12 @@ from nobubble.model.partition import stage_specs
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
 from nobubble.optim.registry import OPTIMIZERS
-from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
+from nobubble.schedules.registry import (
+    CANDIDATES,
+    SCHEDULE_NAMES,
+    candidate_refusal,
+    schedule_spec,
+)
 from nobubble.stage_options import auto_dtype
 
 # the names each registry offers, for the settings that name an entry of one
@@ -53,6 +58,8 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` checked against the registries, with ``chunks`` resolved to the schedule's
     default where it is not given, ``correction=auto`` to its choice and ``dtype=auto`` to what
     it trains in on this machine (so config.json says it, and a resume elsewhere keeps it)."""
+    if cfg.schedule in CANDIDATES:  # studied, not run: say so rather than "unknown"
+        raise ConfigError(candidate_refusal(cfg.schedule))
     for key, field in FIELDS.items():
         registry = field.metadata["registry"]
         if registry is not None and registry != "correction":  # a combination: checked below

@@ -41,6 +41,7 @@ from itertools import chain
 
 from nobubble.schedules.ir import Action, ActionKind, Schedule, ScheduleError
 from nobubble.schedules.registry import ScheduleSpec, schedule_spec
+from nobubble.schedules.v_wave import wave_order
 
 # (kind, stage, microbatch), produced lazily; an FB is (FB, forward stage, forward microbatch,
 # backward stage, backward microbatch)
@@ -211,6 +212,13 @@ def dualpipev_order(rank: int, ranks: int, microbatches: range) -> Order:
         yield weight()
 
 
+def two_bw_v_order(rank: int, ranks: int, microbatches: range) -> Order:
+    """2bw-v on rank r of P (a candidate, nobubble.schedules.v_wave): stages r and 2P-1-r, each
+    rank's actions in the order of the unflushed V's steady wave, the whole run at once."""
+    for kind, stage, i in wave_order(rank, ranks, len(microbatches)):
+        yield kind, stage, microbatches[i]
+
+
 def _emit(
     rank_order: Iterable[Task],
     microbatches: int,
@@ -261,10 +269,11 @@ def _emit(
 
 
 def _checked(
-    schedule: str, stages: int, microbatches: int, steps: int, chunks: int | None
+    schedule: str | ScheduleSpec, stages: int, microbatches: int, steps: int, chunks: int | None
 ) -> tuple[ScheduleSpec, int]:
-    """The schedule's spec and its stages per rank, once the shape is known to run."""
-    spec = schedule_spec(schedule)
+    """The schedule's spec (a name in the registry, or a candidate's spec itself) and its
+    stages per rank, once the shape is known to run."""
+    spec = schedule if isinstance(schedule, ScheduleSpec) else schedule_spec(schedule)
     chunks = spec.default_chunks if chunks is None else chunks
     for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps)):
         if value < 1:
@@ -290,11 +299,13 @@ def _rank_order(
         return zero_bubble_v_order(rank, ranks, microbatches)
     if spec.order == "dualpipev":
         return dualpipev_order(rank, ranks, microbatches)
+    if spec.order == "2bw-v":
+        return two_bw_v_order(rank, ranks, microbatches)
     return one_f_one_b_order(rank, ranks, microbatches)
 
 
 def rank_actions(
-    schedule: str,
+    schedule: str | ScheduleSpec,
     stages: int,
     microbatches: int,
     steps: int,
@@ -342,7 +353,11 @@ def until_step(actions: Iterable[Action], step: int) -> Iterator[Action]:
 
 
 def generate(
-    schedule: str, stages: int, microbatches: int, steps: int, chunks: int | None = None
+    schedule: str | ScheduleSpec,
+    stages: int,
+    microbatches: int,
+    steps: int,
+    chunks: int | None = None,
 ) -> Schedule:
     """Per-rank action lists for ``steps`` optimizer steps of ``microbatches`` each, on
     ``stages`` ranks (pipeline stages); ``chunks`` stages per rank where the schedule takes

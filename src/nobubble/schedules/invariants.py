@@ -30,7 +30,7 @@ from nobubble.schedules.ir import (
     stage_ranks,
 )
 from nobubble.schedules.lowering import is_lowered, lower
-from nobubble.schedules.registry import schedule_spec
+from nobubble.schedules.registry import ScheduleSpec, schedule_spec
 from nobubble.schedules.timing import SimResult, simulate
 
 
@@ -130,14 +130,15 @@ def _edge_order(lowered: Schedule) -> list[str]:
 
 
 def check_invariants(
-    actions: Schedule, schedule: str, result: SimResult | None = None
+    actions: Schedule, schedule: str | ScheduleSpec, result: SimResult | None = None
 ) -> list[str]:
     """All violations of ``schedule``'s invariants in ``actions`` (lowered or not); [] if none.
+    ``schedule`` is a name in the registry or a candidate's spec itself.
 
     ``result`` is a simulation of ``actions`` already run, with any timings (what it finds does
     not depend on them); without it the check simulates ``actions`` itself.
     """
-    spec = schedule_spec(schedule)
+    spec = schedule if isinstance(schedule, ScheduleSpec) else schedule_spec(schedule)
     try:
         stages = stage_count(actions)
     except ScheduleError as exc:
@@ -164,10 +165,10 @@ def check_invariants(
         budget = spec.activation_budget(r, ranks, per_step, stages // ranks)
         if held > budget:
             problems.append(
-                f"rank {r} holds {held} microbatches' activations; {schedule} allows {budget}"
+                f"rank {r} holds {held} microbatches' activations; {spec.name} allows {budget}"
             )
     for s, held in enumerate(result.stage_weight_versions):
         budget = spec.version_budget(s, stages)
         if held > budget:
-            problems.append(f"stage {s} holds {held} weight versions; {schedule} allows {budget}")
+            problems.append(f"stage {s} holds {held} weight versions; {spec.name} allows {budget}")
     return problems

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from nobubble.layout import LOOP, V
 from nobubble.schedules.ir import ScheduleError
+from nobubble.schedules.v_wave import wave_lag, wave_peak_activations
 
 
 def _no_delay(stage: int, stages: int) -> int:
@@ -73,6 +74,12 @@ def _dualpipev_activations(rank: int, ranks: int, microbatches: int, chunks: int
     return 2 * ranks + 1
 
 
+def _v_wave_activations(rank: int, ranks: int, microbatches: int, chunks: int) -> int:
+    """2bw-v: the steady state's peak on the rank (nobubble.schedules.v_wave), never more than
+    the 2M forwards of a step's two stages."""
+    return min(wave_peak_activations(rank, ranks), 2 * microbatches)
+
+
 def _any_microbatches(stages: int, microbatches: int) -> str | None:
     return None
 
@@ -107,6 +114,18 @@ def _at_least_stages(stages: int, microbatches: int) -> str | None:
             "finished there, and its forwards need the weight version made by minibatch t-1's "
             "step; with M < P-1 that version does not exist yet when they run. PipeDream-2BW and "
             f"nobubble require M >= P (one microbatch of slack); use {stages} or more microbatches"
+        )
+    return None
+
+
+def _at_least_wave_lag(stages: int, microbatches: int) -> str | None:
+    lag = wave_lag(stages)
+    if stages > 1 and microbatches < lag:
+        return (
+            f"2bw-v needs microbatches >= {lag} on {stages} stages (got M={microbatches}): stage 0 "
+            f"runs a microbatch's backward {lag} microbatches after its forward (the V's wave, "
+            "nobubble.schedules.v_wave), and the forwards of step t+2 need the weight version "
+            f"that step t's last backward makes; use {lag} or more microbatches"
         )
     return None
 
@@ -298,8 +317,43 @@ PIPELINE_SCHEDULES = tuple(
 SYNCHRONOUS_SCHEDULES = frozenset(name for name, spec in SCHEDULES.items() if spec.flushes)
 
 
+# schedules under study (docs/schedules.md, "An asynchronous V (2bw-v)"): generated,
+# checked by the invariants and timed by the simulator when their spec is passed in, but no
+# engine runs them and no setting names them
+CANDIDATES: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec(
+            "2bw-v",
+            "2bw's one-step delay, no flush, with the V placement (rank r holds stages r and "
+            "2P-1-r); each rank's order is the steady wave of nobubble.schedules.v_wave",
+            order="2bw-v",
+            flushes=False,
+            forwards_use_previous_step=True,
+            delay_rule=_one_step,
+            microbatch_rule=_at_least_wave_lag,
+            activation_rule=_v_wave_activations,
+            default_chunks=2,
+            placement=V,
+            compared=False,
+        ),
+    )
+}
+
+
+def candidate_refusal(name: str) -> str:
+    """Why candidate ``name`` cannot be asked for: no engine runs it yet."""
+    return (
+        f"schedule {name!r} is not supported yet: it is a candidate under study that neither "
+        'engine runs (docs/schedules.md, "An asynchronous V (2bw-v)"); choose one of: '
+        f"{', '.join(SCHEDULE_NAMES)}"
+    )
+
+
 def schedule_spec(name: str) -> ScheduleSpec:
     """The spec of pipeline schedule ``name``; a clear error naming the choices otherwise."""
+    if name in CANDIDATES:
+        raise ScheduleError(candidate_refusal(name))
     try:
         return SCHEDULES[name]
     except KeyError:
