@@ -172,6 +172,8 @@ UNUSED = [
     ({"nadam_momentum_decay": 0.004}, False, {"nadam_momentum_decay"}),
     ({"muon_adjust_lr": "original", "optim": "sgd"}, False, {"muon_adjust_lr"}),
     ({"muon_ns_dtype": "float32", "optim": "adamw"}, False, {"muon_ns_dtype"}),
+    ({"muon_blocks": 1, "optim": "adamw"}, False, {"muon_blocks"}),  # more blocks: refused
+    ({"muon_blocks": 2, "optim": "muon"}, False, set()),
     ({"decay_frac": 0.3}, False, {"decay_frac"}),
     ({"decay_frac": 0.3, "lr_schedule": "wsd"}, False, set()),
     ({"min_lr_ratio": 0.0, "lr_schedule": "constant"}, False, {"min_lr_ratio"}),

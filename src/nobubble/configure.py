@@ -11,8 +11,11 @@ corrections and the model's split are checked for the shape asked for.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from nobubble.config import FIELDS, ConfigError, TrainConfig, check_choice, merge_layers
 from nobubble.corrections import auto
@@ -20,9 +23,12 @@ from nobubble.corrections.registry import CORRECTION_NAMES
 from nobubble.corrections.registry import check as check_corrections
 from nobubble.device import device_type
 from nobubble.layout import ParallelLayout
+from nobubble.model.layers import Block
 from nobubble.model.partition import stage_specs
-from nobubble.model.presets import PRESETS
+from nobubble.model.presets import PRESETS, ModelConfig
 from nobubble.model.resolve import model_config
+from nobubble.model.tensor_split import split_dim, split_problem
+from nobubble.optim.param_groups import Kind, classify
 from nobubble.optim.registry import OPTIMIZERS
 from nobubble.schedules.registry import (
     CANDIDATES,
@@ -115,6 +121,7 @@ def _check_model(cfg: TrainConfig) -> None:
     for the vocabulary, which is only known once the tokenizer is read); a tied weight needs one
     delay at both of its uses."""
     mc = model_config(cfg, tokenizer_vocab=1)
+    _check_muon_blocks(cfg, mc)
     try:
         stages = len(stage_specs(cfg, mc))
     except ConfigError as exc:
@@ -135,4 +142,34 @@ def _check_model(cfg: TrainConfig) -> None:
                 "of the one tied weight would need different versions of it; set "
                 "tie_embeddings=false, or use 2bw (delay 1 on every stage) or a synchronous "
                 "schedule"
+            )
+
+
+def _check_muon_blocks(cfg: TrainConfig, mc: ModelConfig) -> None:
+    """``muon_blocks`` > 1 needs Muon, and every hidden matrix's split dimension divisible by it
+    (the matrices of one dense and one MoE block, built on the meta device, name them)."""
+    if cfg.muon_blocks == 1:
+        return
+    if cfg.optim != "muon":
+        raise ConfigError(
+            f"muon_blocks={cfg.muon_blocks} splits Muon's orthogonalization into blocks, and "
+            f"optim={cfg.optim} has none; set muon_blocks=1, or optim=muon"
+        )
+    first = {mc.is_moe(i): i for i in reversed(range(mc.n_layers))}  # one block of each kind
+    with torch.device("meta"):
+        matrices = [
+            (name, tuple(param.shape))
+            for moe, index in first.items()
+            for local, param in Block(mc, moe).named_parameters()
+            if classify(name := f"blocks.{index}.{local}", param) is Kind.HIDDEN
+        ]
+    divisor = math.gcd(*(shape[split_dim(name)] for name, shape in matrices))
+    for name, shape in matrices:
+        problem = split_problem(name, shape, cfg.muon_blocks)
+        if problem:
+            counts = [n for n in range(1, min(divisor, 64) + 1) if divisor % n == 0]
+            raise ConfigError(
+                f"muon_blocks={cfg.muon_blocks}: {problem}; choose muon_blocks among "
+                f"{', '.join(map(str, counts))} (the divisors of every hidden matrix's split "
+                "dimension), or change the model's width"
             )

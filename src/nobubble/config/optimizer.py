@@ -38,6 +38,13 @@ class OptimizerSettings:
         choices=MUON_NS_DTYPES,
         resume=FREE,
     )
+    muon_blocks: int = setting(
+        1,
+        "muon: orthogonalize each hidden matrix in this many blocks, split as tensor parallelism "
+        "would split it (column-parallel matrices by output rows, row-parallel by input "
+        "columns), each block scaled by its own shape; 1 = the whole matrix (docs/optimizers.md)",
+        POSITIVE,
+    )
     lr_schedule: str = setting(
         "cosine", "learning-rate schedule, after a linear warmup", choices=LR_SCHEDULES
     )

@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from nobubble.model.tensor_split import blocks as blocks_of
+from nobubble.model.tensor_split import split_problem
+
 # torch's Muon constants and LR adjustment, so that the update is exactly torch's. They are
 # private to torch.optim._muon (nobubble's one home for them: ExpertMuon takes adjust_lr from
 # here), and torch may move them in any release: tests/test_torch_private.py names what moved,
@@ -98,29 +101,58 @@ class Muon(torch.optim.Muon):
 
     The dtype is an attribute, not a param-group entry: the state dict keeps torch's shape (and
     its class name, which checkpoints record), and the config, not a checkpoint, chooses it.
+
+    ``blocks`` > 1 emulates Muon under tensor parallelism without gathering (``muon_blocks``):
+    each matrix's direction is cut into the blocks tensor parallelism's ranks would hold
+    (:func:`nobubble.model.tensor_split.blocks`, so the parameters must be given with their
+    names), each orthogonalized on its own and applied with the learning rate adjusted to its
+    own shape, as a whole matrix is. The momentum stays whole: it is elementwise.
     """
 
     def __init__(
-        self, params: Iterable[Any], ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any
+        self,
+        params: Iterable[Any],
+        ns_dtype: torch.dtype = torch.bfloat16,
+        blocks: int = 1,
+        **kwargs: Any,
     ) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
+        self.blocks = blocks
+        if blocks > 1:
+            for group in self.param_groups:
+                if "param_names" not in group:
+                    raise ValueError(f"Muon with blocks={blocks} needs named parameters")
+                for name, p in zip(group["param_names"], group["params"], strict=True):
+                    problem = split_problem(name, tuple(p.shape), blocks)
+                    if problem:
+                        raise ValueError(f"muon_blocks={blocks}: {problem}")
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         for group in self.param_groups:
             lr, decay = group["lr"], group["weight_decay"]
-            for p in group["params"]:
+            names = group.get("param_names", [None] * len(group["params"]))
+            for name, p in zip(names, group["params"], strict=True):
                 if p.grad is None:
                     continue
                 buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
                 direction = momentum_direction(p.grad, buffer, group["momentum"], group["nesterov"])
-                ortho = orthogonalize(
-                    direction,
-                    self.ns_dtype,
-                    group["ns_coefficients"],
-                    group["ns_steps"],
-                    group["eps"],
-                )
                 p.mul_(1 - lr * decay)
-                p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                if self.blocks == 1:
+                    pairs: Iterable[tuple[torch.Tensor, torch.Tensor]] = [(direction, p)]
+                else:
+                    pairs = zip(
+                        blocks_of(direction, name, self.blocks),
+                        blocks_of(p, name, self.blocks),
+                        strict=True,
+                    )
+                for part, target in pairs:
+                    ortho = orthogonalize(
+                        part,
+                        self.ns_dtype,
+                        group["ns_coefficients"],
+                        group["ns_steps"],
+                        group["eps"],
+                    )
+                    target.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], target.shape))

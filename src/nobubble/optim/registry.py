@@ -46,9 +46,10 @@ def _nadamw(groups: Groups, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 def _muon(groups: Groups, cfg: TrainConfig) -> CompositeOptimizer:
-    """Muon on the hidden matrices and on every expert's matrix, AdamW on embeddings, head,
-    routers and gains; same ``lr`` for all. Newton–Schulz runs in ``muon_ns_dtype`` resolved
-    for the parameters' device (the same on every rank: it depends on the device type only)."""
+    """Muon on the hidden matrices (in ``muon_blocks`` blocks each) and on every expert's matrix
+    (whole), AdamW on embeddings, head, routers and gains; same ``lr`` for all. Newton–Schulz
+    runs in ``muon_ns_dtype`` resolved for the parameters' device (the same on every rank: it
+    depends on the device type only)."""
     hidden = [g for g in groups if g["kind"] == Kind.HIDDEN]
     experts = [g for g in groups if g["kind"] == Kind.EXPERT]
     rest = [g for g in groups if g["kind"] not in (Kind.HIDDEN, Kind.EXPERT)]
@@ -62,7 +63,7 @@ def _muon(groups: Groups, cfg: TrainConfig) -> CompositeOptimizer:
     }
     parts: list[torch.optim.Optimizer] = []
     if hidden:
-        parts.append(Muon(hidden, **muon_args))
+        parts.append(Muon(hidden, blocks=cfg.muon_blocks, **muon_args))
     if experts:
         parts.append(ExpertMuon(experts, **muon_args))
     if rest:
@@ -156,7 +157,7 @@ _ADAM = ("beta1", "beta2", "eps")
 # tests/test_optim_registry.py holds this against what building each optimizer really reads
 _SETTINGS_READ: dict[str, tuple[str, ...]] = {
     "adamw": _ADAM,
-    "muon": (*_ADAM, "momentum", "nesterov", "muon_adjust_lr", "muon_ns_dtype"),
+    "muon": (*_ADAM, "momentum", "nesterov", "muon_adjust_lr", "muon_ns_dtype", "muon_blocks"),
     "lion": ("beta1", "beta2"),
     "adan": (*_ADAM, "beta3"),
     "soap": _ADAM,
