@@ -23,7 +23,8 @@ from nobubble.layout import ParallelLayout
 from nobubble.model.partition import stage_specs
 from nobubble.model.presets import PRESETS
 from nobubble.model.resolve import model_config
-from nobubble.optim.registry import OPTIMIZERS
+from nobubble.model.tensor_split import tp_problem
+from nobubble.optim.registry import OPTIMIZERS, TP_OPTIMIZERS
 from nobubble.schedules.registry import SCHEDULE_NAMES, schedule_spec
 from nobubble.stage_options import auto_dtype
 
@@ -69,6 +70,7 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
     check_corrections(cfg)
     _check_schedule(cfg)
     _check_model(cfg)
+    _check_tp(cfg)
     return cfg
 
 
@@ -129,3 +131,41 @@ def _check_model(cfg: TrainConfig) -> None:
                 "tie_embeddings=false, or use 2bw (delay 1 on every stage) or a synchronous "
                 "schedule"
             )
+
+
+def _check_tp(cfg: TrainConfig) -> None:
+    """Tensor parallelism (``tp`` > 1): the model splits evenly, and the run asks for nothing the
+    split stages do not do yet, each refusal naming what is missing and the fix."""
+    if cfg.tp == 1:
+        return
+    mc = model_config(cfg, tokenizer_vocab=1)
+    problem = tp_problem(mc, cfg.tp)
+    if problem:
+        raise ConfigError(problem)
+    spec = schedule_spec(cfg.schedule)
+    missing = {
+        "dp > 1 (the replicas' all-reduce of split gradients; zero)": cfg.dp > 1,
+        f"schedule={cfg.schedule} (split backward or V placement)": spec.split_backward
+        or cfg.chunks != 1,
+        f"optim={cfg.optim} (only {', '.join(TP_OPTIMIZERS)}: whole-matrix optimizers such as "
+        "muon need the gathered or blockwise update)": cfg.optim not in TP_OPTIMIZERS,
+        f"correction={cfg.correction}": cfg.correction != "none",
+        "tie_embeddings over several stages (the tied copies' group per tp index)": (
+            mc.tie_embeddings and cfg.stages > 1
+        ),
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "compile": cfg.compile,
+        "emulate_nccl": cfg.emulate_nccl,
+        "p2p_routes=per-edge (its groups per tp index)": cfg.p2p_routes == "per-edge",
+        "checkpoint_every (checkpoints of split weights and their resharding)": (
+            cfg.checkpoint_every > 0
+        ),
+    }
+    asked = [what for what, on in missing.items() if on]
+    if asked:
+        raise ConfigError(
+            f"tp={cfg.tp} is not supported yet with: {'; '.join(asked)} "
+            "(docs/pipeline.md, 'Tensor parallelism inside a stage'); set tp=1, or change those "
+            "settings (dp=1, schedule 1f1b, 2bw, gpipe or sync, optim adamw, correction none, "
+            "tie_embeddings false, checkpoint_every 0)"
+        )

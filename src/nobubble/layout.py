@@ -262,12 +262,14 @@ def device_mesh(
     """The torch device mesh of ``layout`` (dimensions ``MESH_DIMS``), under an initialized
     process group; ``mesh.get_group("dp")`` holds the replicas of this rank's stage,
     ``mesh.get_group("pp")`` the stages of its replica, in stage order, and ``mesh["tp"]`` the
-    tensor-parallel ranks of its stage. ``timeout``: that of its "dp" and "tp" groups (torch gives a mesh's groups the backend's default, not the default
-    group's; a "dp" dimension that spans every rank *is* the default group).
+    tensor-parallel ranks of its stage. ``timeout``: that of its "dp" and "tp" groups (torch
+    gives a mesh's groups the backend's default, not the default group's; a dimension that spans
+    every rank *is* the default group).
 
-    A mesh holds references to the default process group (with ``dp = 1`` its "pp" group *is*
-    the default group): drop it before :func:`nobubble.pipeline.process_group.close_process_group`,
-    or that teardown cannot free the backend.
+    A mesh holds references to the default process group (a dimension that spans every rank
+    *is* the default group): drop it before
+    :func:`nobubble.pipeline.process_group.close_process_group`, or that teardown cannot free
+    the backend.
     """
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nobubble.corrections.base import UpdateCorrection
 from nobubble.corrections.ef import ErrorFeedback
@@ -70,6 +71,8 @@ class NamedState:
 
         def count(value: Any) -> None:
             if isinstance(value, torch.Tensor):
+                if isinstance(value, DTensor):  # a tensor-parallel shard: this rank's part
+                    value = value.to_local()
                 storage = value.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
             elif isinstance(value, list | tuple):

@@ -42,6 +42,8 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from nobubble.checkpoint.named_state import NamedState
@@ -80,7 +82,8 @@ class PipelineEngine:
     """The model stages ``layout.stages`` of replica ``layout.replica`` of a pipeline
     (torch.distributed must be initialized). Peers are addressed by model stage; the layout maps
     stages to ranks. ``replicas``: the process group of this process's data-parallel replicas
-    (None without data parallelism)."""
+    (None without data parallelism); ``tp_mesh``: the mesh of its tensor-parallel ranks (None
+    without tensor parallelism)."""
 
     def __init__(
         self,
@@ -90,6 +93,7 @@ class PipelineEngine:
         val_batches: int,
         layout: ParallelLayout,
         replicas: dist.ProcessGroup | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.cfg, self.device, self.layout = cfg, device, layout
         specs = stage_specs(cfg, mc)
@@ -110,6 +114,7 @@ class PipelineEngine:
                 tied,
                 split,
                 sharded.get(stage),
+                tp_mesh,
             )
             for stage in layout.stages
         }
@@ -322,7 +327,8 @@ class PipelineEngine:
         reports = [None] * self.layout.world if self.layout.is_leader else None
         with peer_failures(self.layout.name(), "the other stages' reports (a gather)"):
             dist.gather_object(report, reports, dst=self.layout.leader)
-        return reports
+        # under tensor parallelism, tp index 0's: one report per stage and replica
+        return None if reports is None else reports[:: self.layout.tp]
 
     def weight_drift(self) -> list[float | None] | None:
         """Each model stage's weight drift (:mod:`nobubble.staleness`), each process measuring
@@ -416,7 +422,10 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(weights):
         digest.update(name.encode())
-        digest.update(weights[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        tensor = weights[name].detach()
+        if isinstance(tensor, DTensor):  # a tensor-parallel shard: this rank's part
+            tensor = tensor.to_local()
+        digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
