@@ -149,7 +149,7 @@ def _check_tp(cfg: TrainConfig) -> None:
         or cfg.chunks != 1,
         f"optim={cfg.optim} (only {', '.join(TP_OPTIMIZERS)}: whole-matrix optimizers such as "
         "muon need the gathered or blockwise update)": cfg.optim not in TP_OPTIMIZERS,
-        f"correction={cfg.correction}": cfg.correction != "none",
+        f"correction={cfg.correction} (only none or ef)": cfg.correction not in ("none", "ef"),
         "tie_embeddings over several stages (the tied copies' group per tp index)": (
             mc.tie_embeddings and cfg.stages > 1
         ),
@@ -166,6 +166,6 @@ def _check_tp(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"tp={cfg.tp} is not supported yet with: {'; '.join(asked)} "
             "(docs/pipeline.md, 'Tensor parallelism inside a stage'); set tp=1, or change those "
-            "settings (dp=1, schedule 1f1b, 2bw, gpipe or sync, optim adamw, correction none, "
+            "settings (dp=1, schedule 1f1b, 2bw, gpipe or sync, optim adamw, correction none or ef, "
             "tie_embeddings false, checkpoint_every 0)"
         )
