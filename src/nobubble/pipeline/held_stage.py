@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from nobubble.config import TrainConfig
 from nobubble.layout import ParallelLayout
@@ -130,4 +131,6 @@ class HeldStage:
         return self.trained.apply(step, routing, self.mc.moe_bias_rate, norms)
 
     def param_mb(self) -> float:
-        return sum(p.numel() * p.element_size() for p in self.trained.params.values()) / 2**20
+        """The MiB of this process's parameters (of a tensor-parallel shard, its own part)."""
+        held = [p.to_local() if isinstance(p, DTensor) else p for p in self.trained.params.values()]
+        return sum(p.numel() * p.element_size() for p in held) / 2**20
