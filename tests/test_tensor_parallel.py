@@ -3,8 +3,9 @@ refuses, and the real pipeline of P=2 stages x tp=2 ranks against the one-proces
 
 Tolerance: the tp ranks sum their partial products by all-reduce (row-parallel layers) and the
 gradient norm over shards, in another order than one process does, so the runs agree to float32
-rounding, not bitwise: losses and norms within a relative 1e-5 (a wrong weight version or a
-missed update moves the losses in the second decimal, see the 1f1b run's step 2 below).
+rounding, not bitwise: losses, norms and drifts within a relative 1e-5, final weights within
+1e-4 of each tensor's largest entry (a wrong weight version or a missed update moves the losses
+in the second decimal and a weight by about the learning rate, 3e-3).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from nobubble.config import ConfigError
 from nobubble.configure import TP_SCHEDULES, build_config
 from nobubble.layout import ParallelLayout, global_rank
-from tests.helpers.pipeline import EXTENDED, drifts, losses, metrics, nobubble
+from tests.helpers.pipeline import EXTENDED, drifts, final_weights, losses, metrics, nobubble
 
 SHAPE = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "seq_len": 32}
 TP2 = {**SHAPE, "stages": 2, "tp": 2, "schedule": "2bw", "microbatches": 2, "optim": "adamw"}
@@ -74,7 +75,6 @@ def test_tp_reads_into_the_layout_and_defaults_to_one():
         ({"tie_embeddings": True}, "tie_embeddings over several stages", "tie_embeddings=false"),
         ({"emulate_nccl": True}, "emulate_nccl", "set tp=1"),
         ({"activation_checkpointing": True}, "activation_checkpointing", "set tp=1"),
-        ({"checkpoint_every": 2}, "checkpoint_every", "checkpoint_every=0"),
     ],
 )
 def test_what_tp_does_not_do_yet_is_refused_naming_it_and_the_fix(change, named, fix):
@@ -105,7 +105,7 @@ PARITY_SCHEDULES = [
 def test_two_stages_of_two_tp_ranks_equal_the_one_process_run(tmp_path, schedule, extra):
     settings = [f"schedule={schedule}", "stages=2", "microbatches=2", "steps=6", "eval_every=3"]
     settings += ["optim=adamw", *extra]
-    split = nobubble(tmp_path / "tp", *settings, "tp=2", stages=4)
+    nobubble(tmp_path / "tp", *settings, "tp=2", stages=4)
     nobubble(tmp_path / "one", *settings)
     (train, val), (train_1, val_1) = losses(tmp_path / "tp"), losses(tmp_path / "one")
     assert close(train, train_1) and close(val, val_1)
@@ -118,4 +118,9 @@ def test_two_stages_of_two_tp_ranks_equal_the_one_process_run(tmp_path, schedule
         drifts(tmp_path / "tp"), drifts(tmp_path / "one"), strict=True
     ):
         assert close(mine, theirs), f"the weight drift of step {step}"
-    assert "tp=2: no checkpoint written at step 6" in split.stdout
+    # the checkpoint holds the split weights gathered whole, under the one-process names
+    mine, theirs = final_weights(tmp_path / "tp"), final_weights(tmp_path / "one")
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():  # AdamW's m/sqrt(v) magnifies rounding where g ~ 0:
+        gap = (tensor - theirs[name]).abs().max()  # measured 2.4e-5 of the largest entry
+        assert gap <= 1e-4 * theirs[name].abs().max(), f"{name} differs by {gap}"

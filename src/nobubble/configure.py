@@ -160,9 +160,6 @@ def _check_tp(cfg: TrainConfig) -> None:
         "activation_checkpointing": cfg.activation_checkpointing,
         "compile": cfg.compile,
         "emulate_nccl": cfg.emulate_nccl,
-        "checkpoint_every (checkpoints of split weights and their resharding)": (
-            cfg.checkpoint_every > 0
-        ),
     }
     asked = [what for what, on in missing.items() if on]
     if asked:
@@ -170,5 +167,5 @@ def _check_tp(cfg: TrainConfig) -> None:
             f"tp={cfg.tp} is not supported yet with: {'; '.join(asked)} "
             "(docs/pipeline.md, 'Tensor parallelism inside a stage'); set tp=1, or change those "
             f"settings (dp=1, schedule {' or '.join(TP_SCHEDULES)}, optim adamw, correction none "
-            "or ef, tie_embeddings=false, checkpoint_every=0)"
+            "or ef, tie_embeddings=false)"
         )

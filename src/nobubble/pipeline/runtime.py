@@ -46,8 +46,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
-from nobubble.checkpoint.named_state import NamedState
-from nobubble.config import TrainConfig
+from nobubble.checkpoint.named_state import NamedState, whole
+from nobubble.config import ConfigError, TrainConfig
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
@@ -370,8 +370,10 @@ class PipelineEngine:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every version of this process's stages by name; tensor-parallel shards gathered
+        whole (then a collective call of the stage's tp ranks)."""
         return {
-            key: tensor
+            key: whole(tensor)
             for held in self.held.values()
             for key, tensor in held.trained.checkpoint_tensors().items()
         }
@@ -384,6 +386,8 @@ class PipelineEngine:
         parts = []
         for held in self.held.values():
             state = held.trained.named_state()
+            if self.layout.tp > 1:  # the shards gathered whole, as one process holds them
+                state = state.whole()
             if held.shards is not None:
                 state = held.shards.gather_state(state, held.shard_groups.state)
             parts.append(state)
@@ -393,6 +397,12 @@ class PipelineEngine:
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         """Continue from a checkpoint of any layout: ``tensors`` and ``state`` hold (at least)
         this process's parameters by name; other parameters are not looked at."""
+        if self.layout.tp > 1:
+            raise ConfigError(
+                f"tp={self.layout.tp}: continuing from a checkpoint into tensor-parallel stages "
+                "is not supported yet (the split of the loaded weights and optimizer state); "
+                "continue with tp=1 (the checkpoint holds whole tensors)"
+            )
         self.step = state["step"]
         for held in self.held.values():
             held.trained.restore(tensors, state["optimizer"], self.step)
