@@ -15,7 +15,16 @@ import pytest
 from nobubble.config import ConfigError
 from nobubble.configure import TP_SCHEDULES, build_config
 from nobubble.layout import ParallelLayout, global_rank
-from tests.helpers.pipeline import EXTENDED, drifts, final_weights, losses, metrics, nobubble
+from tests.helpers.pipeline import (
+    EXTENDED,
+    drifts,
+    final_weights,
+    losses,
+    metrics,
+    nobubble,
+    run_train,
+)
+from tests.helpers.runs import CONSTANT
 
 SHAPE = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "seq_len": 32}
 TP2 = {**SHAPE, "stages": 2, "tp": 2, "schedule": "2bw", "microbatches": 2, "optim": "adamw"}
@@ -124,3 +133,18 @@ def test_two_stages_of_two_tp_ranks_equal_the_one_process_run(tmp_path, schedule
     for name, tensor in mine.items():  # AdamW's m/sqrt(v) magnifies rounding where g ~ 0:
         gap = (tensor - theirs[name]).abs().max()  # measured 2.4e-5 of the largest entry
         assert gap <= 1e-4 * theirs[name].abs().max(), f"{name} differs by {gap}"
+
+
+@pytest.mark.slow
+def test_a_tp_checkpoint_continues_on_whole_stages_and_not_yet_on_split_ones(tmp_path):
+    """tp=2 -> tp=1: the checkpoint holds whole tensors under the one-process names, so a
+    pipeline without tp continues it; continuing into tp=2 is refused, naming tp=1."""
+    common = ["schedule=2bw", "stages=2", "microbatches=2", "optim=adamw", "correction=ef"]
+    common += CONSTANT  # the learning rate of a run cut at 3 steps is that of the 6-step run
+    nobubble(tmp_path / "full", *common, "steps=6")
+    nobubble(tmp_path / "cut", *common, "tp=2", "steps=3", stages=4)
+    split = run_train("--resume", str(tmp_path / "cut"), "steps=6", stages=4)
+    assert split.returncode != 0 and "continue with tp=1" in split.stdout + split.stderr
+    nobubble(tmp_path / "cut", "--resume", str(tmp_path / "cut"), "tp=1", "steps=6", stages=2)
+    (train, val), (train_1, val_1) = losses(tmp_path / "cut"), losses(tmp_path / "full")
+    assert close(train, train_1) and close(val, val_1)
