@@ -259,12 +259,12 @@ def global_rank(pp: int, dp: int, tp: int, dp_degree: int, tp_degree: int) -> in
 def device_mesh(
     layout: ParallelLayout, device_type: str, timeout: datetime.timedelta | None = None
 ) -> DeviceMesh:
-    """The torch device mesh of ``layout`` (dimensions ``MESH_DIMS``), under an initialized
-    process group; ``mesh.get_group("dp")`` holds the replicas of this rank's stage,
-    ``mesh.get_group("pp")`` the stages of its replica, in stage order, and ``mesh["tp"]`` the
-    tensor-parallel ranks of its stage. ``timeout``: that of its "dp" and "tp" groups (torch
-    gives a mesh's groups the backend's default, not the default group's; a dimension that spans
-    every rank *is* the default group).
+    """The torch device mesh of ``layout`` (dimensions ``MESH_DIMS``; "tp" only with ``tp`` >
+    1), under an initialized process group; ``mesh.get_group("dp")`` holds the replicas of this
+    rank's stage, ``mesh.get_group("pp")`` the stages of its replica, in stage order, and
+    ``mesh["tp"]`` the tensor-parallel ranks of its stage. ``timeout``: that of its "dp" and
+    "tp" groups (torch gives a mesh's groups the backend's default, not the default group's; a
+    dimension that spans every rank *is* the default group).
 
     A mesh holds references to the default process group (a dimension that spans every rank
     *is* the default group): drop it before
@@ -273,18 +273,20 @@ def device_mesh(
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    # without tensor parallelism no "tp" dimension (it would make a group of one per rank)
+    dims = MESH_DIMS if layout.tp > 1 else MESH_DIMS[:2]
+    shape = (layout.pp, layout.dp, layout.tp)[: len(dims)]
     override = {}
-    if timeout is not None and layout.world > 1:
-        for dim, size in (("dp", layout.dp), ("tp", layout.tp)):
+    if timeout is not None:
+        for dim, size in zip(dims[1:], shape[1:], strict=True):
             if size < layout.world:  # one that spans every rank is the default group
                 override[dim] = _group_options(device_type, timeout)
-    shape = (layout.pp, layout.dp, layout.tp)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override)
-    place = (layout.pp_rank, layout.replica, layout.tp_rank)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=dims, backend_override=override)
+    place = (layout.pp_rank, layout.replica, layout.tp_rank)[: len(dims)]
     if tuple(mesh.get_coordinate() or ()) != place:
         raise RuntimeError(
-            f"the device mesh puts rank {layout.rank} at (pp, dp, tp) = {mesh.get_coordinate()}, "
-            f"the layout at {place}; this is a bug in nobubble"
+            f"the device mesh puts rank {layout.rank} at {dims} = {mesh.get_coordinate()}, the "
+            f"layout at {place}; this is a bug in nobubble"
         )
     return mesh
 
