@@ -4,7 +4,7 @@ Three named dimensions: ``pp``, the pipeline degree P (the stages of one model r
 ``dp``, the data-parallel degree (replicas of the whole pipeline), and ``tp``, the
 tensor-parallel ranks that share each stage's matrices (:mod:`nobubble.model.tensor_split`).
 Ranks are numbered with ``tp`` innermost, then ``dp`` (:func:`global_rank`, the one home of the
-order, which the planner reads too)::
+order, which the planner's tests check it with)::
 
     rank = (pp_rank * dp + replica) * tp + tp_rank
 
