@@ -44,6 +44,7 @@ def test_tp_is_the_innermost_dimension_and_each_tp_index_talks_to_its_own():
     assert layout.rank_of(0, tp_rank=0) == 0
     assert layout.peers() == [1, 3]
     assert layout.controller == 1 and layout.leader == 0 and not layout.is_leader
+    assert layout.name(0) == "stage 0 at tp index 1"  # in a message: the peer it talks to
     # the order is the planner's (one home: layout.global_rank)
     wide = ParallelLayout(pp=2, dp=2, rank=0, tp=2)
     assert [wide.rank_of(s, d, t) for s in range(2) for d in range(2) for t in range(2)] == [

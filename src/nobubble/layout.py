@@ -239,11 +239,13 @@ class ParallelLayout:
         return self.pp
 
     def name(self, stage: int | None = None, replica: int | None = None) -> str:
-        """Model stage ``stage`` of ``replica`` (defaults: this rank's stages), for messages."""
+        """Model stage ``stage`` of ``replica`` (defaults: this rank's stages), for messages;
+        under tensor parallelism at this rank's tp index (the one it talks to)."""
         stages = self.stages if stage is None else (stage,)
         replica = self.replica if replica is None else replica
         what = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
-        return what if self.dp == 1 else f"{what} of replica {replica}"
+        what = what if self.dp == 1 else f"{what} of replica {replica}"
+        return what if self.tp == 1 else f"{what} at tp index {self.tp_rank}"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world:
