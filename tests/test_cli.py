@@ -188,6 +188,8 @@ UNUSED = [
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, False,
      {"p2p_timeout_s", "p2p_routes"}),
     ({"p2p_timeout_s": 10.0, "p2p_routes": "per-edge", "stages": 2}, True, set()),
+    ({"tp": 2, "stages": 2, "schedule": "1f1b", "microbatches": 2}, False, {"tp"}),
+    ({"tp": 2, "stages": 2, "schedule": "1f1b", "microbatches": 2}, True, set()),
     ({"group_timeout_s": 900.0, "p2p_warmup": False, "p2p_dtype": "float32"}, False,
      {"group_timeout_s", "p2p_warmup", "p2p_dtype"}),
     ({"group_timeout_s": 900.0, "p2p_warmup": False, "p2p_dtype": "float32", "stages": 2}, True,

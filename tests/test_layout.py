@@ -109,7 +109,7 @@ def test_places_outside_the_layout_are_errors():
         lay.rank_of(0, 2)
 
 
-def _mesh_groups(rank: int, port: int, results) -> None:
+def _mesh_groups(rank: int, port: int, results, dp: int = 2, tp: int = 1) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -119,15 +119,17 @@ def _mesh_groups(rank: int, port: int, results) -> None:
     limit = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, 4, is_master=rank == 0, timeout=limit)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=limit)
-    mesh = device_mesh(ParallelLayout(2, 2, rank), "cpu")
-    groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in ("pp", "dp")}
+    mesh = device_mesh(ParallelLayout(2, dp, rank, tp=tp), "cpu")
+    dims = ("pp", "dp", "tp") if tp > 1 else ("pp", "dp")
+    groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in dims}
     results.put((rank, groups))
     del mesh
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_the_device_mesh_groups_are_the_layouts_replicas_and_pipelines():
+@pytest.mark.parametrize(("dp", "tp"), [(2, 1), (1, 2)])
+def test_the_device_mesh_groups_are_the_layouts_replicas_and_pipelines(dp, tp):
     import socket
 
     import torch.multiprocessing as mp
@@ -136,8 +138,10 @@ def test_the_device_mesh_groups_are_the_layouts_replicas_and_pipelines():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_mesh_groups, args=(port, results), nprocs=4, start_method="spawn")
+    mp.start_processes(_mesh_groups, args=(port, results, dp, tp), nprocs=4, start_method="spawn")
     for rank, groups in sorted(results.get() for _ in range(4)):
-        lay = ParallelLayout(2, 2, rank)
+        lay = ParallelLayout(2, dp, rank, tp=tp)
         assert groups["pp"] == [lay.rank_of(stage) for stage in range(2)]
-        assert groups["dp"] == [lay.rank_of(lay.pp_rank, replica) for replica in range(2)]
+        assert groups["dp"] == [lay.rank_of(lay.pp_rank, replica) for replica in range(dp)]
+        if tp > 1:  # a stage's tp ranks: its own, neighbours
+            assert groups["tp"] == [lay.rank_of(lay.pp_rank, 0, t) for t in range(tp)]

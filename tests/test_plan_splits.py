@@ -10,6 +10,7 @@ import pytest
 
 from nobubble.config import ConfigError
 from nobubble.config.parallel import ParallelSettings
+from nobubble.layout import global_rank
 from nobubble.model.presets import ModelConfig
 from nobubble.planning import cli as plan_cli
 from nobubble.planning.costs import per_gpu, stage_costs
@@ -20,7 +21,7 @@ from nobubble.planning.estimate import (
     tp_all_reduce_s,
 )
 from nobubble.planning.hardware import DEVICES, LINKS
-from nobubble.planning.mesh import Splits, global_rank
+from nobubble.planning.mesh import Splits
 
 # 8 blocks of d = 64, 4 query and 2 key/value heads; a microbatch of 2 x 32 = 64 tokens, so an
 # activation is 2 bytes x 64 tokens x 64 = 8,192 bytes

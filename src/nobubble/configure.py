@@ -27,9 +27,9 @@ from nobubble.model.layers import Block
 from nobubble.model.partition import stage_specs
 from nobubble.model.presets import PRESETS, ModelConfig
 from nobubble.model.resolve import model_config
-from nobubble.model.tensor_split import split_dim, split_problem
+from nobubble.model.tensor_split import split_dim, split_problem, tp_problem
 from nobubble.optim.param_groups import Kind, classify
-from nobubble.optim.registry import OPTIMIZERS
+from nobubble.optim.registry import OPTIMIZERS, TP_OPTIMIZERS
 from nobubble.schedules.registry import (
     CANDIDATES,
     SCHEDULE_NAMES,
@@ -82,6 +82,7 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
     check_corrections(cfg)
     _check_schedule(cfg)
     _check_model(cfg)
+    _check_tp(cfg)
     return cfg
 
 
@@ -173,3 +174,41 @@ def _check_muon_blocks(cfg: TrainConfig, mc: ModelConfig) -> None:
                 f"{', '.join(map(str, counts))} (the divisors of every hidden matrix's split "
                 "dimension), or change the model's width"
             )
+
+
+# the schedules a stage split over tp ranks runs (tests/test_tensor_parallel.py holds each to the
+# one-process engine); the others (zero-bubble's split backward, interleaving, V) are refused
+TP_SCHEDULES = ("1f1b", "2bw")
+
+
+def _check_tp(cfg: TrainConfig) -> None:
+    """Tensor parallelism (``tp`` > 1): the model splits evenly, and the run asks for nothing the
+    split stages do not do yet, each refusal naming what is missing and the fix."""
+    if cfg.tp == 1:
+        return
+    mc = model_config(cfg, tokenizer_vocab=1)
+    problem = tp_problem(mc, cfg.tp)
+    if problem:
+        raise ConfigError(problem)
+    missing = {
+        "dp > 1 (the replicas' all-reduce of split gradients; zero)": cfg.dp > 1,
+        f"schedule={cfg.schedule} (only {', '.join(TP_SCHEDULES)})": cfg.schedule
+        not in TP_SCHEDULES,
+        f"optim={cfg.optim} (only {', '.join(TP_OPTIMIZERS)}: whole-matrix optimizers such as "
+        "muon need the gathered or blockwise update)": cfg.optim not in TP_OPTIMIZERS,
+        f"correction={cfg.correction} (only none or ef)": cfg.correction not in ("none", "ef"),
+        "tie_embeddings over several stages (the tied copies' group per tp index)": (
+            mc.tie_embeddings and cfg.stages > 1
+        ),
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "compile": cfg.compile,
+        "emulate_nccl": cfg.emulate_nccl,
+    }
+    asked = [what for what, on in missing.items() if on]
+    if asked:
+        raise ConfigError(
+            f"tp={cfg.tp} is not supported yet with: {'; '.join(asked)} "
+            "(docs/pipeline.md, 'Tensor parallelism inside a stage'); set tp=1, or change those "
+            f"settings (dp=1, schedule {' or '.join(TP_SCHEDULES)}, optim adamw, correction none "
+            "or ef, tie_embeddings=false)"
+        )

@@ -172,6 +172,7 @@ READ_WHEN: dict[str, ReadWhen] = {
         lambda cfg, _: cfg.dp > 1,
         lambda cfg, _: f"dp={cfg.dp}",
     ),
+    "tp": _TORCHRUN,  # one process computes what the tp ranks compute together
     "p2p_timeout_s": _TORCHRUN,
     "p2p_routes": _TORCHRUN,
     "group_timeout_s": _TORCHRUN,

@@ -34,6 +34,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nobubble.versions import VersionStore, Weights, gradient_version
 
@@ -80,7 +81,12 @@ def _relative(moved: float, size: float) -> float:
 
 
 def _squares(tensors: Iterable[torch.Tensor]) -> float:
-    return sum(float(t.detach().double().pow(2).sum()) for t in tensors)
+    return sum(float(_whole(t.detach().double().pow(2).sum())) for t in tensors)
+
+
+def _whole(total: torch.Tensor) -> torch.Tensor:
+    """A sum over a tensor-parallel DTensor shard, summed over the tp ranks (the same on each)."""
+    return total.full_tensor() if isinstance(total, DTensor) else total
 
 
 def cosine(first: Iterable[torch.Tensor | None], second: Iterable[torch.Tensor | None]) -> float:

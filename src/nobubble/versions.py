@@ -18,6 +18,7 @@ not a copy" for everyone reading the old version). Nothing autograd saved is eve
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 Weights = dict[str, torch.Tensor]
 
@@ -53,7 +54,12 @@ class VersionStore:
 
     def _point_params_at(self, weights: Weights) -> None:
         for name, param in self.params.items():
-            param.data = weights[name].data
+            if isinstance(param, DTensor):  # a tensor-parallel shard (nobubble.model.tensor_split)
+                # ``.data =`` on a DTensor gives it a copy, not the version's storage; its local
+                # shard is what the optimizer writes (tests/test_tensor_parallel.py holds this)
+                param._local_tensor = weights[name]._local_tensor
+            else:
+                param.data = weights[name].data
 
     def __getitem__(self, version: int) -> Weights:
         try:

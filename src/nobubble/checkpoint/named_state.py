@@ -27,17 +27,24 @@ document (scalars, hyperparameters, structure), so a checkpoint needs no pickle.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nobubble.corrections.base import UpdateCorrection
 from nobubble.corrections.ef import ErrorFeedback
 from nobubble.optim.composite import CompositeOptimizer, OptimizerLike
 
 _STRUCTURE = ("params", "param_names")  # group keys that are structure, not hyperparameters
+
+
+def whole(value: Any) -> Any:
+    """``value`` gathered whole if it is a tensor-parallel DTensor shard, else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class NamedStateError(ValueError):
@@ -70,6 +77,8 @@ class NamedState:
 
         def count(value: Any) -> None:
             if isinstance(value, torch.Tensor):
+                if isinstance(value, DTensor):  # a tensor-parallel shard: this rank's part
+                    value = value.to_local()
                 storage = value.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
             elif isinstance(value, list | tuple):
@@ -99,6 +108,13 @@ class NamedState:
             if self.buffers is None
             else {n: t for n, t in self.buffers.items() if n in wanted},
         )
+
+    def whole(self) -> NamedState:
+        """This state with every tensor-parallel DTensor shard gathered whole (a collective over
+        each shard's tp ranks, which must all call it: the same names in the same order)."""
+        params = {n: {k: whole(v) for k, v in state.items()} for n, state in self.params.items()}
+        buffers = None if self.buffers is None else {n: whole(t) for n, t in self.buffers.items()}
+        return dataclasses.replace(self, params=params, buffers=buffers)
 
     @staticmethod
     def merge(parts: Iterable[NamedState]) -> NamedState:

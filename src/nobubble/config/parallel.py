@@ -39,6 +39,15 @@ class ParallelSettings:
         POSITIVE,
         resume=LAYOUT,
     )
+    tp: int = setting(
+        1,
+        "tensor-parallel ranks per pipeline stage (torchrun: stages x dp x tp processes, tp "
+        "innermost): each stage's attention and MLP matrices split over them (docs/pipeline.md, "
+        "'Tensor parallelism inside a stage'); must divide the attention heads, key/value heads "
+        "and d_ff",
+        POSITIVE,
+        resume=LAYOUT,
+    )
     zero: int = setting(
         0,
         "sharded data parallelism over a stage's dp replicas (docs/pipeline.md): 0 every replica "

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nobubble.optim.composite import OptimizerLike, evaluate_closure
 
@@ -46,8 +47,12 @@ class UpdateCorrection:
         params = [p for p in self._params() if p.grad is not None]
         before = [p.detach().clone() for p in params]  # w[t]
         self.base.step()
-        if params:  # torch's foreach ops reject empty lists
-            self._correct(params, before)
+        # torch's foreach ops reject empty lists, and lists that mix tensor-parallel DTensor
+        # shards with plain tensors: one call per kind (the rules are element-wise)
+        for split in (False, True):
+            kind = [i for i, p in enumerate(params) if isinstance(p, DTensor) == split]
+            if kind:
+                self._correct([params[i] for i in kind], [before[i] for i in kind])
         return loss
 
     def _correct(self, params: list[torch.Tensor], before: list[torch.Tensor]) -> None:

@@ -185,6 +185,12 @@ _UPDATES_WHOLE: dict[str, frozenset[Kind]] = {
 }
 
 
+# the optimizers that train a stage split over tensor-parallel ranks (nobubble.model.tensor_split):
+# element-wise ones, whose update of a shard is that shard of the whole update, and that run on
+# torch's DTensor shards; tests/test_tensor_parallel.py holds AdamW to the one-process engine
+TP_OPTIMIZERS = ("adamw",)
+
+
 def updates_whole(optim: str, name: str, param: torch.Tensor) -> bool:
     """Whether optimizer ``optim`` needs all of parameter ``name`` to update any of it."""
     return classify(name, param) in _UPDATES_WHOLE.get(optim, frozenset())

@@ -1,7 +1,8 @@
 """Whether each step runs: the leader's go-ahead, and the other ranks' stop votes.
 
-Before its first action of a step, every rank learns from the leader (stage 0 of replica 0)
-whether the step runs (a first stage is the first to touch any step, so nobody waits long for
+Before its first action of a step, every rank learns from the leader (stage 0 of replica 0;
+under tensor parallelism each tp index has its own, :attr:`ParallelLayout.controller`) whether
+the step runs (a first stage is the first to touch any step, so nobody waits long for
 that answer). If it does not, every rank drops the actions of that and later steps: what remains
 is exactly the schedule of the shorter run, cool-down included. A stop requested on another rank
 reaches the leader as that rank's vote.
@@ -30,7 +31,7 @@ class StepControl:
         self.votes: dict[int, list[PendingRecv]] = {}  # leader: the other ranks' stop votes
         self.peer_stop = False  # leader: a rank asked to stop in the last steps of a segment
         self.others = [
-            layout.coordinates(rank) for rank in range(layout.world) if rank != layout.leader
+            layout.coordinates(rank) for rank in layout.peers() if rank != layout.controller
         ]
 
     def clear(self, step: int, should_stop: Callable[[], bool]) -> bool:
@@ -44,7 +45,7 @@ class StepControl:
         all-reduce, at most a step's all-reduce later. A stop asked for on another rank thus
         takes effect at most ``delay + 1`` steps later than on the leader.
         """
-        if self.layout.is_leader:
+        if self.layout.rank == self.layout.controller:
             return self._lead(step, should_stop)
         vote = torch.tensor([1.0 if should_stop() else 0.0])
         self.messenger.send(vote, 0, Channel.STOP_VOTE, step, replica=0)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from nobubble.config import TrainConfig
 from nobubble.layout import ParallelLayout
@@ -19,6 +21,7 @@ from nobubble.model.layers import Stage
 from nobubble.model.moe import pack_routing, unpack_routing
 from nobubble.model.partition import TIED_WEIGHT, StageSpec, holds_tied_copy
 from nobubble.model.presets import ModelConfig
+from nobubble.model.tensor_split import parallelize_stage
 from nobubble.pipeline.replicas import ReplicaReduction
 from nobubble.pipeline.sharded_update import ShardedUpdate, StageGroups
 from nobubble.pipeline.split_backward import SplitBackward
@@ -34,7 +37,9 @@ class HeldStage:
     stages' processes (None unless the head is tied to the embedding over several stages);
     ``shard_groups``: with sharded state (``zero`` > 0), the groups of this model stage's
     replicas that its update's chain and its checkpoints run over
-    (:mod:`nobubble.pipeline.sharded_update`)."""
+    (:mod:`nobubble.pipeline.sharded_update`); ``tp_mesh``: the mesh of the stage's
+    tensor-parallel ranks, over which its blocks are split (:mod:`nobubble.model.tensor_split`;
+    None without)."""
 
     def __init__(
         self,
@@ -48,10 +53,13 @@ class HeldStage:
         tied: dist.ProcessGroup | None,
         split: bool,
         shard_groups: StageGroups | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.index, self.spec, self.cfg, self.device = index, spec, cfg, device
         self.first, self.last = spec.has_embed, spec.has_head
         self.module = Stage(mc, spec, cfg.seed).to(device)
+        if tp_mesh is not None:  # its blocks' matrices split over the stage's tp ranks
+            parallelize_stage(self.module, tp_mesh)
         apply_stage_options(self.module, cfg, device)
         self.split = SplitBackward(self.module) if split else None  # zero-bubble I/W
         params = dict(self.module.named_parameters())
@@ -123,4 +131,6 @@ class HeldStage:
         return self.trained.apply(step, routing, self.mc.moe_bias_rate, norms)
 
     def param_mb(self) -> float:
-        return sum(p.numel() * p.element_size() for p in self.trained.params.values()) / 2**20
+        """The MiB of this process's parameters (of a tensor-parallel shard, its own part)."""
+        held = [p.to_local() if isinstance(p, DTensor) else p for p in self.trained.params.values()]
+        return sum(p.numel() * p.element_size() for p in held) / 2**20

@@ -26,6 +26,7 @@ travels as a CPU tensor (``host``); its all-reduces take CUDA tensors.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -76,15 +77,19 @@ class Links:
         routes = cls(host=transport.host_messages)
         if kind == "shared":
             return routes
-        for replica in range(layout.dp):
+        # every rank creates every group (torch's rule) and keeps those of its own tp index
+        for replica, tp_rank in itertools.product(range(layout.dp), range(layout.tp)):
             for stage in range(layout.model_stages - 1):
-                ranks = sorted({layout.rank_of(stage, replica), layout.rank_of(stage + 1, replica)})
+                ends = (stage, replica, tp_rank), (stage + 1, replica, tp_rank)
+                ranks = sorted({layout.rank_of(*end) for end in ends})
                 for channel in DATA_CHANNELS:
                     # a two-rank group per channel and edge (neighbours on one process need none)
                     name = f"{channel.name.lower()} {stage}->{stage + 1} of replica {replica}"
+                    name += f" at tp index {tp_rank}" if layout.tp > 1 else ""
                     group = transport.new_group(ranks, name) if len(ranks) == 2 else None
                     receiver = stage if channel is Channel.GRADIENT else stage + 1
-                    routes.edges[(channel, receiver, replica)] = group
+                    if tp_rank == layout.tp_rank:
+                        routes.edges[(channel, receiver, replica)] = group
         if not transport.pairs_by_tag:
             routes.control = transport.control_group()
         return routes

@@ -42,10 +42,12 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
-from nobubble.checkpoint.named_state import NamedState
-from nobubble.config import TrainConfig
+from nobubble.checkpoint.named_state import NamedState, whole
+from nobubble.config import ConfigError, TrainConfig
 from nobubble.engine import StepStats, peak_memory_mb
 from nobubble.evaluation import EvalSums
 from nobubble.layout import ParallelLayout
@@ -80,7 +82,8 @@ class PipelineEngine:
     """The model stages ``layout.stages`` of replica ``layout.replica`` of a pipeline
     (torch.distributed must be initialized). Peers are addressed by model stage; the layout maps
     stages to ranks. ``replicas``: the process group of this process's data-parallel replicas
-    (None without data parallelism)."""
+    (None without data parallelism); ``tp_mesh``: the mesh of its tensor-parallel ranks (None
+    without tensor parallelism)."""
 
     def __init__(
         self,
@@ -90,6 +93,7 @@ class PipelineEngine:
         val_batches: int,
         layout: ParallelLayout,
         replicas: dist.ProcessGroup | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.cfg, self.device, self.layout = cfg, device, layout
         specs = stage_specs(cfg, mc)
@@ -110,6 +114,7 @@ class PipelineEngine:
                 tied,
                 split,
                 sharded.get(stage),
+                tp_mesh,
             )
             for stage in layout.stages
         }
@@ -322,7 +327,8 @@ class PipelineEngine:
         reports = [None] * self.layout.world if self.layout.is_leader else None
         with peer_failures(self.layout.name(), "the other stages' reports (a gather)"):
             dist.gather_object(report, reports, dst=self.layout.leader)
-        return reports
+        # under tensor parallelism, tp index 0's: one report per stage and replica
+        return None if reports is None else reports[:: self.layout.tp]
 
     def weight_drift(self) -> list[float | None] | None:
         """Each model stage's weight drift (:mod:`nobubble.staleness`), each process measuring
@@ -364,8 +370,10 @@ class PipelineEngine:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every version of this process's stages by name; tensor-parallel shards gathered
+        whole (then a collective call of the stage's tp ranks)."""
         return {
-            key: tensor
+            key: whole(tensor)
             for held in self.held.values()
             for key, tensor in held.trained.checkpoint_tensors().items()
         }
@@ -378,6 +386,8 @@ class PipelineEngine:
         parts = []
         for held in self.held.values():
             state = held.trained.named_state()
+            if self.layout.tp > 1:  # the shards gathered whole, as one process holds them
+                state = state.whole()
             if held.shards is not None:
                 state = held.shards.gather_state(state, held.shard_groups.state)
             parts.append(state)
@@ -387,6 +397,12 @@ class PipelineEngine:
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         """Continue from a checkpoint of any layout: ``tensors`` and ``state`` hold (at least)
         this process's parameters by name; other parameters are not looked at."""
+        if self.layout.tp > 1:
+            raise ConfigError(
+                f"tp={self.layout.tp}: continuing from a checkpoint into tensor-parallel stages "
+                "is not supported yet (the split of the loaded weights and optimizer state); "
+                "continue with tp=1 (the checkpoint holds whole tensors)"
+            )
         self.step = state["step"]
         for held in self.held.values():
             held.trained.restore(tensors, state["optimizer"], self.step)
@@ -416,7 +432,10 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(weights):
         digest.update(name.encode())
-        digest.update(weights[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        tensor = weights[name].detach()
+        if isinstance(tensor, DTensor):  # a tensor-parallel shard: this rank's part
+            tensor = tensor.to_local()
+        digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

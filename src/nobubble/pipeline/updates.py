@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nobubble.optim.clipping import total_norm
 from nobubble.pipeline.held_stage import HeldStage
 from nobubble.pipeline.host import HostCopy
 from nobubble.pipeline.replicas import PendingReduction
@@ -57,7 +58,7 @@ def gradient_norms(trained: TrainedStage) -> torch.Tensor:
     groups = [[p.grad for n, p in params.items() if n != trained.tied and p.grad is not None]]
     if trained.tied is not None:
         groups.append([g for g in [params[trained.tied].grad] if g is not None])
-    norms = [torch.nn.utils.get_total_norm(grads) for grads in groups]
+    norms = [total_norm(grads) for grads in groups]
     like = next(iter(params.values()))
     return torch.stack([n.to(like.device, torch.float64) for n in norms])
 

@@ -94,12 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=real(POSITIVE),
         help="memory per GPU to fit in (default: the GPU's)",
     )
-    parser.add_argument(
-        "--tp",
-        type=whole(COUNT),
-        default=1,
-        help="tensor-parallel GPUs per stage, inside one node (Megatron style with sequence "
-        "parallelism: docs/schedules.md; default: 1)",
+    add_setting_flags(
+        parser,
+        ["tp"],
+        limits={"tp": COUNT},
+        notes={
+            "tp": "the plan: GPUs inside one node, with sequence parallelism (docs/schedules.md)"
+        },
     )
     parser.add_argument(
         "--ep",

@@ -2,6 +2,7 @@
 
 The order is torchtitan's and Megatron's: the pipeline outermost, then the data-parallel
 replicas, tensor parallelism innermost, so that global rank ``(pp·dp_degree + dp)·tp_degree + tp``
+(:func:`nobubble.layout.global_rank`, the order the pipeline runtime's layout uses)
 puts a tensor-parallel group on consecutive GPUs, inside one node, where its all-reduces (one
 after every attention and every MLP) run on the node's links. Expert parallelism borrows its
 ranks from the data-parallel dimension (as torchtitan does): ``ep`` consecutive replicas of a
@@ -62,12 +63,6 @@ class Splits:
         multiple of ``ep·tp`` (ep divides dp), so it crosses no node's edge exactly when
         ``ep·tp`` divides the node's GPUs."""
         return self.gpus_per_node % (self.ep * self.tp) == 0
-
-
-def global_rank(pp: int, dp: int, tp: int, dp_degree: int, tp_degree: int) -> int:
-    """The rank of the GPU at pipeline stage ``pp``, replica ``dp`` and tensor-parallel rank
-    ``tp``: pp outermost, tp innermost."""
-    return (pp * dp_degree + dp) * tp_degree + tp
 
 
 def gpus_problem(stages: int, dp: int, tp: int, gpus: int) -> str | None:

@@ -36,12 +36,14 @@ def save_checkpoint(
 ) -> None:
     """Replica 0 of every stage writes that stage's shard (the replicas of a stage hold the same
     weights, and the same optimizer state, or with ``zero`` > 0 parts of it that replica 0
-    gathers); the leader seals the checkpoint once all are written. ``lines``: the metrics lines
-    of the step (the leader's), kept so that a resume can write them again if metrics.jsonl
-    loses them."""
+    gathers; under tensor parallelism its tp index 0 writes, the split tensors gathered whole);
+    the leader seals the checkpoint once all are written. ``lines``: the metrics lines of the
+    step (the leader's), kept so that a resume can write them again if metrics.jsonl loses
+    them."""
     root, layout = run.checkpoints, engine.layout
     state = engine.checkpoint_state()  # every replica: with sharded state, gathered on replica 0
-    if layout.replica == 0:
+    tensors = engine.checkpoint_tensors()  # every tp rank: split weights gathered whole
+    if layout.replica == 0 and layout.tp_rank == 0:
         meta = {
             "step": engine.step,
             "data": data.train.state_dict() if data else None,
@@ -55,7 +57,7 @@ def save_checkpoint(
             write_shard(
                 staging_dir(root, engine.step),
                 layout.shard,
-                engine.checkpoint_tensors(),
+                tensors,
                 state["step"],
                 state["optimizer"],
                 torch.get_rng_state(),

@@ -31,7 +31,7 @@ from nobubble.data.tokenizer import tokenizer_from_json
 from nobubble.device import configure_torch
 from nobubble.engine import Engine
 from nobubble.interrupt import Interrupted
-from nobubble.layout import ParallelLayout, V, replica_group
+from nobubble.layout import ParallelLayout, V, stage_groups
 from nobubble.model.presets import ModelConfig
 from nobubble.pipeline.links import resolve_links
 from nobubble.pipeline.process_group import (
@@ -70,7 +70,7 @@ def launch_layout(cfg: TrainConfig) -> ParallelLayout:
             "torchrun (the one-process engine runs the same semantics)"
         )
     placement = schedule_spec(cfg.schedule).placement
-    return ParallelLayout.from_world(cfg.stages, cfg.dp, rank, world, chunks, placement)
+    return ParallelLayout.from_world(cfg.stages, cfg.dp, rank, world, chunks, placement, cfg.tp)
 
 
 def check_launch(cfg: TrainConfig, layout: ParallelLayout) -> None:
@@ -219,11 +219,11 @@ class TorchrunLauncher:
             cfg.emulate_nccl,
         )
         self.restarted = restarted_by_torchrun()
-        self.replicas = None
+        self.replicas = self.tp_mesh = None
         try:  # the mesh of the backend's device: gloo's groups sum CUDA tensors too
             mesh_device = "cpu" if backend == "gloo" else self.device.type
             timeout = datetime.timedelta(seconds=cfg.group_timeout_s)
-            self.replicas = replica_group(self.layout, mesh_device, timeout)
+            self.replicas, self.tp_mesh = stage_groups(self.layout, mesh_device, timeout)
         except BaseException as error:
             tell_and_abort(error)
 
@@ -239,7 +239,9 @@ class TorchrunLauncher:
 
     def engine(self, cfg: TrainConfig, mc: ModelConfig, val_batches: int) -> Engine:
         check_model(cfg, mc, self.layout)
-        return PipelineEngine(cfg, mc, self.device, val_batches, self.layout, self.replicas)
+        return PipelineEngine(
+            cfg, mc, self.device, val_batches, self.layout, self.replicas, self.tp_mesh
+        )
 
     def barrier(self) -> None:
         with peer_failures(self.layout.name(), "the other processes of the run (a barrier)"):
@@ -251,7 +253,8 @@ class TorchrunLauncher:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType
     ) -> None:
-        self.replicas = None  # what holds a process group keeps its backend alive past close
+        # what holds a process group keeps its backend alive past close
+        self.replicas = self.tp_mesh = None
         if tb is not None:  # so do the locals of a run that a stop or an error ended
             traceback.clear_frames(tb)
         if error is None or isinstance(error, ENDED_TOGETHER):
