@@ -87,12 +87,16 @@ def test_the_references_and_shapes_follow_the_schedule_registry():
     runs = by_name(1)
     for name in PIPELINE_SCHEDULES:
         spec, run = schedule_spec(name), runs[f"{name}-p2-gloo"]
-        assert run.reference == ("one-process-sync" if spec.flushes else f"one-process-{name}")
         untied = "tie_embeddings=false" in run.settings
-        assert untied is not spec.can_tie(2 * spec.default_chunks), name
+        assert untied is not spec.pipeline_can_tie(2 * spec.default_chunks), name
+        sync = "one-process-sync-untied" if untied else "one-process-sync"
+        assert run.reference == (sync if spec.flushes else f"one-process-{name}")
         assert ("tie_embeddings=false" in runs[run.reference].settings) is untied, name
         assert run.setting("microbatches") == ("1" if spec.step_per_microbatch else "4"), name
     assert runs["one-process-sync"].schedule == schedule_spec("sync").same_as
+    for name in ("zb-v", "dualpipev"):  # V: tied embeddings refused under torchrun
+        assert runs[f"{name}-p2-gloo"].reference == "one-process-sync-untied"
+    assert runs["one-process-sync-untied"].schedule == "1f1b"
 
 
 def test_the_plan_the_script_reads(tmp_path, capsys):
@@ -100,7 +104,8 @@ def test_the_plan_the_script_reads(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(plan(1))
     assert lines[0].startswith("smoke-1f1b-p2-gloo 2 1 - preset=tiny ")  # the smoke test first
-    name, processes, gpus, reference, *settings = lines[5].split(" ")
+    # then the references (sync, sync untied for the V schedules, 2bw, pipedream), 2bw again
+    name, processes, gpus, reference, *settings = lines[6].split(" ")
     assert (name, processes, gpus, reference) == ("gpipe-p2-gloo", "2", "1", "one-process-sync")
     assert settings[0] == "preset=smollm2-360m" and settings[-2:] == [
         "dist_backend=gloo",

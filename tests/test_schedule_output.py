@@ -107,16 +107,21 @@ def test_cli_text_png_and_trace(tmp_path, capsys):
 
 def test_cli_all_compares_every_schedule(capsys):
     assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--steps", "2") == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     one_stage = [n for n in PIPELINE_SCHEDULES if not schedule_spec(n).interleaved]
     assert out.count("s0 F0v0") == len(one_stage)  # a grid per schedule with one stage per rank
-    assert out.count("r0 F0.0v0") == 1  # interleaved-1f1b: rank 0 runs stages 0 and 2
+    assert out.count("r0 F0.0v0") == 2  # interleaved-1f1b and zb-v: rank 0 runs two stages
+    # dualpipev needs M >= 2P: left out of `all`, named with its rule on stderr
+    assert "dualpipev: not drawn: dualpipev needs microbatches >= 2 x stages" in err
     assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--no-grid") == 0
     out = capsys.readouterr().out
     assert "F0v0" not in out
     assert "| schedule | makespan | bubble |" in out
     assert "| 2bw | 21 | 14.3% | 0.286 | [2, 1] | [2, 2] |" in out  # 3 steps by default
     assert cli("--schedule", "all", "--stages", "2", "--microbatches", "2", "--json") == 0
+    drawn = [n for n in PIPELINE_SCHEDULES if n != "dualpipev"]
+    assert list(json.loads(capsys.readouterr().out)) == drawn
+    assert cli("--schedule", "all", "--stages", "2", "--microbatches", "4", "--json") == 0
     assert list(json.loads(capsys.readouterr().out)) == list(PIPELINE_SCHEDULES)
 
 

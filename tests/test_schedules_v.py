@@ -307,8 +307,8 @@ def test_the_one_process_engine_trains_them_as_sync_on_their_model_stages(tiny_m
 
 def test_a_launch_places_them_by_their_registry_entry(monkeypatch):
     """torchrun's layout takes the schedule's placement: the head's process is rank 0."""
-    assert {"zb-v", "dualpipev"}.isdisjoint(PIPELINE_SCHEDULES)  # no planner rows yet
-    assert not schedule_spec("zb-v").compared and schedule_spec("zb-h1").compared
+    assert {"zb-v", "dualpipev"} <= set(PIPELINE_SCHEDULES)  # the planner's rows, the GPU check
+    assert not schedule_spec("zb-v").pipeline_can_tie(4) and schedule_spec("zb-v").can_tie(4)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "2")
     cfg = build_config({"schedule": "dualpipev", "stages": 2, "dp": 2, "microbatches": 4})

@@ -44,6 +44,7 @@ from nobubble.json_files import damaged, read_json_object, write_json_atomic
 from nobubble.schedules.registry import PIPELINE_SCHEDULES, schedule_spec
 
 SYNC = "sync"  # the registry's synchronous semantics, which every flushing schedule computes
+UNTIED = "tie_embeddings=false"
 
 
 def semantics(schedule: str) -> str:
@@ -53,27 +54,33 @@ def semantics(schedule: str) -> str:
 
 def shape(schedule: str, stages: int) -> tuple[str, ...]:
     """``schedule`` on ``stages`` ranks: 4 microbatches, or 1 where every microbatch is its own
-    step; untied where the first and the last stage have different delays."""
+    step; untied where the pipeline runtime cannot tie the first and the last stage's weight
+    (different delays, or the V placement: the registry's ``pipeline_can_tie``)."""
     spec = schedule_spec(schedule)
     micro = 1 if spec.step_per_microbatch else 4
     settings = (f"schedule={schedule}", f"stages={stages}", f"microbatches={micro}")
-    tied = spec.can_tie(stages * spec.default_chunks)
-    return settings + (() if tied else ("tie_embeddings=false",))
+    tied = spec.pipeline_can_tie(stages * spec.default_chunks)
+    return settings + (() if tied else (UNTIED,))
 
 
-def reference(name: str) -> CheckRun:
-    """The one-process run of semantics ``name`` on two stages."""
-    spec = schedule_spec(name)
-    return CheckRun(f"one-process-{name}", shape(spec.same_as or name, 2))
+def reference(schedule: str) -> CheckRun:
+    """The one-process run that ``schedule``'s rows are compared with: its semantics on two
+    stages, untied where its rows are (``-untied`` where the semantics' own run is tied: a
+    V schedule against sync)."""
+    name = semantics(schedule)
+    settings = shape(schedule_spec(name).same_as or name, 2)
+    untied = UNTIED in shape(schedule, 2) and UNTIED not in settings
+    suffix, extra = ("-untied", (UNTIED,)) if untied else ("", ())
+    return CheckRun(f"one-process-{name}{suffix}", settings + extra)
 
 
-# a reference for each semantics of the pipeline schedules (sync first)
-REFERENCES = {name: reference(name) for name in dict.fromkeys(map(semantics, PIPELINE_SCHEDULES))}
+# the references of the pipeline schedules' rows, by name (sync first)
+REFERENCES = {run.name: run for run in map(reference, PIPELINE_SCHEDULES)}
 # the 2bw reference again: whether this GPU repeats a run bit for bit
 REPEAT = dataclasses.replace(
-    REFERENCES["2bw"],
+    REFERENCES["one-process-2bw"],
     name="one-process-2bw-again",
-    reference=REFERENCES["2bw"].name,
+    reference=REFERENCES["one-process-2bw"].name,
     expect=REPEATS,
     kind="row",
 )
@@ -111,7 +118,7 @@ def row(
         settings + how + extra,
         processes,
         gpus=processes if transport == "nccl" else 1,
-        reference=REFERENCES[semantics(schedule)].name,
+        reference=reference(schedule).name,
         expect=expect,
         transport=words,
         kind="row",

@@ -9,6 +9,7 @@ schedule repeats itself, numbered as this run's. Its cost is bounded whatever th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from nobubble.config import TrainConfig
@@ -57,13 +58,7 @@ def _simulated(cfg: TrainConfig, steps: int, first: int) -> SimResult:
         ]
         for rank in result.timeline
     ]
-    return SimResult(
-        timeline,
-        result.peak_activations,
-        result.weight_versions,
-        result.stage_weight_versions,
-        result.violations,
-    )
+    return dataclasses.replace(result, timeline=timeline)
 
 
 def schedule_around(

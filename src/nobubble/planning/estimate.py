@@ -35,6 +35,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nobubble.config import ConfigError, zero_problem
 from nobubble.config.parallel import ParallelSettings
@@ -58,6 +59,8 @@ from nobubble.schedules.steady import Steady, steady_state
 EXACT_MICROBATCHES = 64
 EXACT_PER_STAGE = 40
 STEADY_LIMIT = 4096  # the longest step simulated to find where a schedule's timeline repeats
+
+_N = TypeVar("_N", int, float)  # a count or a size
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,9 @@ class ClusterPlan:
 
 def chunks_of(plan: ClusterPlan, spec: ScheduleSpec) -> int:
     """The stages per rank ``spec`` runs ``plan`` with: the plan's chunks (or the schedule's
-    own) for an interleaved schedule, else one."""
-    if not spec.interleaved:
-        return 1
+    own) for interleaved-1f1b, a V schedule's 2, else one."""
+    if not spec.takes_chunks:
+        return spec.default_chunks
     return plan.parallel.chunks or spec.default_chunks
 
 
@@ -152,6 +155,7 @@ class _Times:
     bwd: list[float]
     wgrad: list[float]
     comm: float
+    activation_bytes: list[float]  # per stage, per microbatch in flight
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,8 @@ class _Simulated:
     """What the cost model reads off the simulator for M microbatches per step."""
 
     pipeline_s: float  # the steady step: three steps' makespan minus two's
-    peak_activations: tuple[int, ...]  # per rank
+    # per rank: the most activation bytes held at once, each stage's forwards at its size
+    peak_activation_bytes: tuple[float, ...]
     stage_weight_versions: tuple[int, ...]  # per stage
     rank_stages: tuple[tuple[int, ...], ...]
 
@@ -167,7 +172,7 @@ class _Simulated:
         """What these figures add to ``earlier``'s (a shape's growth over a period)."""
         return _Simulated(
             self.pipeline_s - earlier.pipeline_s,
-            _minus(self.peak_activations, earlier.peak_activations),
+            _minus(self.peak_activation_bytes, earlier.peak_activation_bytes),
             _minus(self.stage_weight_versions, earlier.stage_weight_versions),
             self.rank_stages,
         )
@@ -176,25 +181,30 @@ class _Simulated:
         """These figures and ``times`` times ``growth``."""
         return _Simulated(
             self.pipeline_s + times * growth.pipeline_s,
-            _plus(self.peak_activations, growth.peak_activations, times),
+            _plus(self.peak_activation_bytes, growth.peak_activation_bytes, times),
             _plus(self.stage_weight_versions, growth.stage_weight_versions, times),
             self.rank_stages,
         )
 
     def same_as(self, other: _Simulated) -> bool:
-        """Equal figures, the time to float precision."""
+        """Equal figures, the time and the bytes to float precision."""
         return (
             math.isclose(self.pipeline_s, other.pipeline_s, rel_tol=1e-9, abs_tol=1e-15)
-            and self.peak_activations == other.peak_activations
+            and all(
+                math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
+                for a, b in zip(
+                    self.peak_activation_bytes, other.peak_activation_bytes, strict=True
+                )
+            )
             and self.stage_weight_versions == other.stage_weight_versions
         )
 
 
-def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+def _minus(a: tuple[_N, ...], b: tuple[_N, ...]) -> tuple[_N, ...]:
     return tuple(x - y for x, y in zip(a, b, strict=True))
 
 
-def _plus(a: tuple[int, ...], d: tuple[int, ...], times: int) -> tuple[int, ...]:
+def _plus(a: tuple[_N, ...], d: tuple[_N, ...], times: int) -> tuple[_N, ...]:
     return tuple(x + times * y for x, y in zip(a, d, strict=True))
 
 
@@ -203,7 +213,12 @@ def _run(
 ) -> SimResult:
     actions = generate(schedule, plan.parallel.stages, microbatches, steps, chunks)
     return simulate(
-        lower(actions), fwd=times.fwd, bwd=times.bwd, comm=times.comm, wgrad=times.wgrad
+        lower(actions),
+        fwd=times.fwd,
+        bwd=times.bwd,
+        comm=times.comm,
+        wgrad=times.wgrad,
+        activation_sizes=times.activation_bytes,
     )
 
 
@@ -215,7 +230,7 @@ def _simulated(
     three = _run(plan, schedule, chunks, times, microbatches, 3)
     return _Simulated(
         three.makespan - two.makespan,
-        tuple(three.peak_activations),
+        tuple(three.peak_activation_size),
         tuple(three.stage_weight_versions),
         tuple(map(tuple, three.rank_stages)),
     )
@@ -370,7 +385,8 @@ def estimate(plan: ClusterPlan, schedule: str) -> Estimate:
     ]
     wgrad = [c.weight_flops / flops_per_s for c in costs]
     comm = plan.p2p.latency_us * 1e-6 + costs[0].message_bytes / (plan.p2p.gb_per_s * 1e9)
-    simulated = _figures(plan, schedule, chunks, _Times(fwd, bwd, wgrad, comm))
+    activation_bytes = [c.activation_bytes for c in costs]
+    simulated = _figures(plan, schedule, chunks, _Times(fwd, bwd, wgrad, comm, activation_bytes))
     pipeline_s = simulated.pipeline_s
     ranks = simulated.rank_stages
     busy = [plan.parallel.microbatches * sum(fwd[s] + bwd[s] for s in stages) for stages in ranks]
@@ -398,9 +414,8 @@ def estimate(plan: ClusterPlan, schedule: str) -> Estimate:
             )
             for s in stages
         )
-        per_activation = sum(costs[s].activation_bytes for s in stages) / len(stages)
         recompute = max(costs[s].recompute_bytes for s in stages)
-        activations = simulated.peak_activations[r] * per_activation + recompute
+        activations = simulated.peak_activation_bytes[r] + recompute
         memory.append((weights + activations) / 1e9)
     return Estimate(
         schedule=schedule,

@@ -128,7 +128,7 @@ def comparison_table(results: dict[str, SimResult]) -> str:
 
 def _chunks(args: argparse.Namespace, name: str) -> int | None:
     """The stages per rank asked of ``name`` (None: the schedule's own)."""
-    return args.chunks if schedule_spec(name).interleaved else None
+    return args.chunks if schedule_spec(name).takes_chunks else None
 
 
 def _check_size(args: argparse.Namespace, name: str) -> None:
@@ -143,6 +143,21 @@ def _check_size(args: argparse.Namespace, name: str) -> None:
             "(about half a minute); use fewer steps (3 show the steady state) or microbatches, "
             "or `nobubble plan` for the figures of large shapes"
         )
+
+
+def _names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The schedules to draw: the one asked for, or under ``all`` every pipeline schedule whose
+    rule on M takes the shape (each one left out named on stderr, with why)."""
+    if args.schedule != ALL:
+        return (args.schedule,)
+    names = []
+    for name in PIPELINE_SCHEDULES:
+        problem = schedule_spec(name).microbatch_problem(args.stages, args.microbatches)
+        if problem:
+            print(f"{name}: not drawn: {problem}", file=sys.stderr)
+        else:
+            names.append(name)
+    return tuple(names)
 
 
 def _check(args: argparse.Namespace, names: Sequence[str]) -> None:
@@ -189,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
 
     Bad input raises :class:`ScheduleError` (or ConfigError for an output path) before any work.
     """
-    names = PIPELINE_SCHEDULES if args.schedule == ALL else (args.schedule,)
+    names = _names(args)
     _check(args, names)
     shape = f"P={args.stages} M={args.microbatches} steps={args.steps}"
     results: dict[str, SimResult] = {}

@@ -155,10 +155,6 @@ class ScheduleSpec:
     # stages r and 2P-1-r on rank r (exactly 2 per rank)
     placement: str = LOOP
     split_backward: bool = False  # backwards are I + W (zero-bubble), not B (or some of them)
-    # whether listings and comparisons take it (PIPELINE_SCHEDULES: the planner's rows, the GPU
-    # check, `nobubble schedule --schedule all`); False: both engines train it and `nobubble
-    # schedule --schedule NAME` draws it, but the planner has no rows for it yet (issue 39)
-    compared: bool = True
     # another name for that schedule's semantics and order (sync: 1f1b); left out of listings
     same_as: str | None = None
 
@@ -173,6 +169,13 @@ class ScheduleSpec:
         """Whether a weight that the first and the last of ``stages`` model stages share (tied
         embeddings) is read at one version by both: their gradient delays are equal."""
         return self.delay(0, stages) == self.delay(stages - 1, stages)
+
+    def pipeline_can_tie(self, stages: int) -> bool:
+        """Whether the pipeline runtime (torchrun) trains tied embeddings on ``stages`` model
+        stages: :meth:`can_tie`, and not under the V placement, whose one process holding the
+        embedding and the head does not yet sum its two copies of the tied weight (the
+        one-process engine runs it exactly: docs/pipeline.md)."""
+        return self.can_tie(stages) and self.placement != V
 
     def version_budget(self, stage: int, stages: int) -> int:
         """The most weight versions the schedule may hold at a stage: the one it updates and
@@ -191,6 +194,12 @@ class ScheduleSpec:
     def interleaved(self) -> bool:
         """Several stages per rank."""
         return self.default_chunks > 1
+
+    @property
+    def takes_chunks(self) -> bool:
+        """Whether the ``chunks`` setting picks its stages per rank (interleaved-1f1b); a V
+        schedule always runs its own 2."""
+        return self.interleaved and self.placement != V
 
     def chunk_problem(self, chunks: int) -> str | None:
         """Why ``chunks`` stages per rank cannot run, or None."""
@@ -287,7 +296,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             default_chunks=2,
             placement=V,
             split_backward=True,
-            compared=False,
         ),
         ScheduleSpec(
             "dualpipev",
@@ -301,18 +309,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             default_chunks=2,
             placement=V,
             split_backward=True,
-            compared=False,
         ),
     )
 }
 # every name the ``schedule`` setting and ``nobubble schedule`` know; both engines run each
 SCHEDULE_NAMES = tuple(SCHEDULES)
 # the distinct pipeline orders that listings and comparisons take (the planner, the GPU check,
-# `nobubble schedule --schedule all`); sync is 1f1b, and the compared=False ones join once the
-# planner has their rows
-PIPELINE_SCHEDULES = tuple(
-    name for name, spec in SCHEDULES.items() if spec.same_as is None and spec.compared
-)
+# `nobubble schedule --schedule all`); sync is 1f1b
+PIPELINE_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.same_as is None)
 # the schedules whose gradients are computed at the weights they update (sync included)
 SYNCHRONOUS_SCHEDULES = frozenset(name for name, spec in SCHEDULES.items() if spec.flushes)
 
@@ -335,7 +339,6 @@ CANDIDATES: dict[str, ScheduleSpec] = {
             activation_rule=_v_wave_activations,
             default_chunks=2,
             placement=V,
-            compared=False,
         ),
     )
 }

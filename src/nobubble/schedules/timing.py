@@ -73,6 +73,9 @@ class SimResult:
     # per rank: most forwards whose B (or W) has not yet run, counted per stage (under
     # interleaving a stage holds 1/v of the rank's layers, so its activations are that smaller)
     peak_activations: list[int]
+    # per rank: the most activation size held at once, each stage's forwards weighted by its
+    # ``activation_sizes`` (all 1: the most forwards held, whichever stages they belong to)
+    peak_activation_size: list[float]
     weight_versions: list[int]  # per rank: most versions any of its stages holds at once
     stage_weight_versions: list[int]  # per stage: most weight versions held at once
     violations: list[str] = field(default_factory=list)
@@ -194,7 +197,12 @@ class _RankState:
     not do."""
 
     def __init__(
-        self, actions: list[Action], rank_of: dict[int, int], last_stage: int, violations: list[str]
+        self,
+        actions: list[Action],
+        rank_of: dict[int, int],
+        last_stage: int,
+        violations: list[str],
+        activation_sizes: list[float],
     ) -> None:
         self.rank_of = rank_of
         self.last_stage = last_stage
@@ -207,6 +215,9 @@ class _RankState:
         self.in_flight: dict[tuple[int, int | None], int] = {}  # (stage, mb) -> forward's version
         self.input_done: set[tuple[int, int | None]] = set()  # I ran, W still to run
         self.peak_activations = 0
+        self.activation_sizes = activation_sizes
+        self.held_per_stage = dict.fromkeys(stages, 0)  # forwards whose B or W has not run
+        self.peak_activation_size = 0.0
         self.received: set[tuple[str, int, int | None]] = set()  # (what, stage, microbatch)
         self.done: set[tuple[ActionKind, int, int | None]] = set()
 
@@ -260,6 +271,9 @@ class _RankState:
         if a.kind is ActionKind.F:
             self.in_flight[key] = a.version
             self.peak_activations = max(self.peak_activations, len(self.in_flight))
+            self.held_per_stage[a.stage] += 1
+            held = sum(n * self.activation_sizes[s] for s, n in self.held_per_stage.items())
+            self.peak_activation_size = max(self.peak_activation_size, held)
             self._pass_locally("activation", a.stage + 1, a.microbatch, a.stage)
             return
         if key not in self.in_flight:
@@ -277,6 +291,7 @@ class _RankState:
             self._pass_locally("gradient", a.stage - 1, a.microbatch, a.stage)
         if a.kind.makes_weight_gradient:
             del self.in_flight[key]
+            self.held_per_stage[a.stage] -= 1
             self.input_done.discard(key)
 
     def _pass_locally(self, what: str, to: int, microbatch: int | None, frm: int) -> None:
@@ -305,9 +320,12 @@ def simulate(
     comm: float = 0.0,
     on_progress: Callable[[float], object] | None = None,
     wgrad: float | Sequence[float] | None = None,
+    activation_sizes: Sequence[float] | None = None,
 ) -> SimResult:
     """Run a lowered schedule; ``fwd``/``bwd``/``wgrad`` are one time for all stages or one per
     stage. ``wgrad`` is the W share of a split backward (default: half of ``bwd``).
+    ``activation_sizes`` (per stage; default 1 each) weighs a stage's forwards held in
+    ``peak_activation_size``.
 
     ``on_progress`` is called with the share of all actions executed since its last call.
     """
@@ -331,8 +349,15 @@ def simulate(
     if not (math.isfinite(comm) and comm >= 0):
         raise ScheduleError(f"comm latency must be >= 0 and finite, got {comm}")
 
+    sizes = [1.0] * stages if activation_sizes is None else list(map(float, activation_sizes))
+    if len(sizes) != stages or not all(math.isfinite(v) and v >= 0 for v in sizes):
+        raise ScheduleError(
+            f"activation_sizes must be {stages} sizes >= 0, one per stage, got {sizes}"
+        )
     violations: list[str] = []
-    states = [_RankState(rank_actions, rank_of, stages - 1, violations) for rank_actions in lowered]
+    states = [
+        _RankState(rank_actions, rank_of, stages - 1, violations, sizes) for rank_actions in lowered
+    ]
     arrivals: dict[tuple[str, int, int, int | None], float] = {}
     position = [0] * ranks
     clock = [0.0] * ranks
@@ -376,6 +401,7 @@ def simulate(
     return SimResult(
         timeline=timeline,
         peak_activations=[st.peak_activations for st in states],
+        peak_activation_size=[st.peak_activation_size for st in states],
         weight_versions=[max(st.stage_peak_versions.values()) for st in states],
         stage_weight_versions=stage_versions,
         violations=violations,
