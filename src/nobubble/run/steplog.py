@@ -45,9 +45,10 @@ class StepLogger:
         enabled: bool = True,
     ) -> None:
         self.cfg, self.run, self.usage, self.enabled = cfg, run, usage, enabled
-        # the code that trains, read now: a checkout that moves on while the run trains must not
-        # change what its summary says ran it
-        self.code = provenance()
+        # the code that trains, read now (by the leader, which writes the summary: git reads the
+        # checkout's files): a checkout that moves on while the run trains must not change what
+        # its summary says ran it
+        self.code = provenance() if enabled else {}
         self.loggers = open_loggers(cfg, run.path, start) if enabled else Loggers([])
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.train_time, self.wall_before = before.train_s, before.wall_s
