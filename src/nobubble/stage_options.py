@@ -120,14 +120,10 @@ def check_compilable(device: torch.device) -> None:
         ) from None
 
 
-# what dtype=auto trains in, by device type: bfloat16 on CUDA, float32 elsewhere (a CPU run
-# stays as it was before auto was the default)
-AUTO_DTYPES = {"cuda": "bfloat16"}
-
-
 def auto_dtype(device_type: str) -> str:
-    """What ``dtype=auto`` trains in on a device of type ``device_type``."""
-    return AUTO_DTYPES.get(device_type, "float32")
+    """What ``dtype=auto`` trains in on a device of type ``device_type``: bfloat16 on CUDA,
+    float32 elsewhere (a CPU run stays as it was before auto was the default)."""
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 def compute_dtype(dtype: str, device: torch.device) -> str:
